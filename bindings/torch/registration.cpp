@@ -1,0 +1,26 @@
+// All schemas of the mmfuse torch library: the single source of truth for names and defaults.
+// Each family is a fragment whose fake (meta) implementations live in python/mmfuse/<family>.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(mmfuse, m) {}
+
+// Rotary family (python/mmfuse/rope.py). Angles: (cos, sin) tables [A, B, L, D], or integer
+// positions [A, B, L] with fp32 inv_freq [D/2]. numerics: "fp32" or "hf_eager". heads_first: 4-D q/k
+// are [B, H, L, D] (HF) instead of [B, L, H, D].
+TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
+  m.set_python_module("mmfuse.rope");
+  m.def(
+      "mrope(Tensor q, Tensor k, Tensor? cos, Tensor? sin, Tensor? positions, Tensor? inv_freq, "
+      "int[] mrope_section=[], bool interleaved=False, str numerics=\"fp32\", bool heads_first=False) -> (Tensor, Tensor)");
+  m.def(
+      "mrope_backward(Tensor grad_q, Tensor grad_k, Tensor? cos, Tensor? sin, Tensor? positions, "
+      "Tensor? inv_freq, int[] mrope_section=[], bool interleaved=False, str numerics=\"fp32\", bool heads_first=False) -> (Tensor, Tensor)");
+  m.def(
+      "mrope_(Tensor(a!) q, Tensor(b!) k, Tensor? cos, Tensor? sin, Tensor? positions, Tensor? inv_freq, "
+      "int[] mrope_section=[], bool interleaved=False, str numerics=\"fp32\", bool backward=False, bool heads_first=False) -> ()");
+  m.def(
+      "mrope_out(Tensor q, Tensor k, Tensor? cos, Tensor? sin, Tensor? positions, Tensor? inv_freq, "
+      "int[] mrope_section, bool interleaved, str numerics, bool backward, bool heads_first, Tensor(a!) q_out, Tensor(b!) k_out) -> ()");
+  m.def("vision_rope(Tensor q, Tensor k, Tensor freqs) -> (Tensor, Tensor)");
+  m.def("vision_rope_backward(Tensor grad_q, Tensor grad_k, Tensor freqs) -> (Tensor, Tensor)");
+}

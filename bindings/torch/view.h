@@ -1,0 +1,74 @@
+// Shared helpers of the torch bindings: at::Tensor -> mmfuse::TensorView, the current stream, and
+// the translation of mmfuse::Error into a Python ValueError.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
+
+#ifdef MMFUSE_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <optional>
+#include <string>
+
+#include "mmfuse/common.h"
+
+namespace mmfuse::torch_bind {
+
+inline DType to_dtype(at::ScalarType t, const char* name) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kDouble: return DType::kFloat64;
+    case at::kInt: return DType::kInt32;
+    case at::kLong: return DType::kInt64;
+    case at::kByte: return DType::kUInt8;
+    case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
+    case at::kFloat8_e5m2: return DType::kFloat8E5M2;
+    default: TORCH_CHECK_TYPE(false, name, ": unsupported dtype ", t);
+  }
+}
+
+inline TensorView view(const at::Tensor& t, const char* name) {
+  TensorView v;
+  if (!t.defined()) return v;
+  TORCH_CHECK_VALUE(t.dim() <= kMaxDims, name, ": at most ", kMaxDims, " dims, got ", t.dim());
+  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), name, ": expected a CPU or CUDA tensor, got ",
+                    t.device());
+  v.data = t.data_ptr();
+  v.dtype = to_dtype(t.scalar_type(), name);
+  v.device = t.device().is_cpu() ? Device{DeviceType::kCPU, 0} : Device{DeviceType::kCUDA, t.device().index()};
+  v.ndim = int(t.dim());
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = t.size(i);
+    v.stride[i] = t.stride(i);
+  }
+  return v;
+}
+
+inline TensorView view(const std::optional<at::Tensor>& t, const char* name) {
+  return t.has_value() ? view(*t, name) : TensorView{};
+}
+
+inline cudaStream_t current_stream(const at::Tensor& t) {
+#ifdef MMFUSE_WITH_CUDA
+  if (t.is_cuda()) return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+#endif
+  (void)t;
+  return nullptr;
+}
+
+// Runs fn, turning mmfuse::Error into c10::ValueError (Python ValueError) with the core's message.
+template <class F>
+decltype(auto) guarded(const char* op, F&& fn) {
+  try {
+    return fn();
+  } catch (const mmfuse::Error& e) {
+    TORCH_CHECK_VALUE(false, "mmfuse.", op, ": ", e.what());
+  }
+}
+
+}  // namespace mmfuse::torch_bind

@@ -1,0 +1,11 @@
+"""mmfuse: fused operators for training multimodal (vision-language-action) transformers.
+
+Every op is a registered PyTorch operator (``torch.ops.mmfuse.*``) with CPU and CUDA kernels, a fake
+(meta) implementation for ``torch.compile`` and, where differentiable, autograd.
+"""
+
+from . import _lib  # noqa: F401  (registers torch.ops.mmfuse)
+from .rope import mrope, mrope_, vision_rope
+
+__all__ = ["mrope", "mrope_", "vision_rope"]
+__version__ = "0.1.0"

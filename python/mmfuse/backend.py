@@ -1,0 +1,68 @@
+"""Seed-compatible entry points (the ``wallx_csrc``-style backend), with the corrected semantics of
+``SEMANTICS.md``. New code should call :mod:`mmfuse` directly.
+"""
+
+from typing import Sequence, Union
+
+import torch
+
+from . import _lib  # noqa: F401
+
+Tensor = torch.Tensor
+
+# The seed's 1.0.1 kernel hard-coded Qwen2.5-VL's doubled sections for head dim 128.
+_SEED_DOUBLED_DEFAULT = (32, 48, 48)
+
+
+def _seed_section(mrope_section_doubled: Union[bool, Sequence[int], None], head_dim: int):
+    """Doubled sections ``[2*s_t, 2*s_h, 2*s_w]`` (or True for Qwen2.5-VL's, False/None for plain)."""
+    if mrope_section_doubled is None or mrope_section_doubled is False:
+        return ()
+    if mrope_section_doubled is True:
+        if head_dim != 128:
+            raise ValueError(
+                f"mmfuse.backend.rope: mrope_section_doubled=True means Qwen2.5-VL's [32, 48, 48] for head dim 128, "
+                f"got head dim {head_dim}; pass the doubled sections explicitly")
+        mrope_section_doubled = _SEED_DOUBLED_DEFAULT
+    doubled = [int(s) for s in mrope_section_doubled]
+    if len(doubled) != 3 or any(s % 2 for s in doubled):
+        raise ValueError(f"mmfuse.backend.rope: mrope_section_doubled: expected 3 even entries, got {doubled}")
+    return [s // 2 for s in doubled]
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _apply(x_q, x_k, cos, sin, out_q, out_k, mrope_section_doubled, backward: bool) -> None:
+    section = _seed_section(mrope_section_doubled, x_q.shape[-1])
+    heads_first = x_q.dim() == 4  # the seed's [B, H, L, D]
+    if _same(x_q, out_q) and _same(x_k, out_k):
+        torch.ops.mmfuse.mrope_(x_q, x_k, cos, sin, None, None, section, False, "fp32", backward, heads_first)
+    else:
+        torch.ops.mmfuse.mrope_out(x_q, x_k, cos, sin, None, None, section, False, "fp32", backward, heads_first,
+                                   out_q, out_k)
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out: Tensor,
+         mrope_section_doubled) -> None:
+    """Seed ``rope``: writes RoPE / mRoPE of ``q``, ``k`` (``[B, H, L, D]``) into ``q_out``, ``k_out``.
+
+    ``cos``/``sin`` are HF tables ``[3, B, L, D]`` (or ``[B, L, D]`` for plain RoPE).
+    ``mrope_section_doubled`` is HF's ``[2*s_t, 2*s_h, 2*s_w]`` (e.g. ``[32, 48, 48]``), ``True`` for
+    exactly that at head dim 128, or ``False`` for plain RoPE; the correct rule applies (channel ``j`` and
+    ``j + D/2`` share one angle, unlike the seed's kernel). Outputs may be the inputs themselves (in
+    place) or separate tensors; numerics are ``"fp32"`` (:func:`mmfuse.mrope`).
+    """
+    _apply(q, k, cos, sin, q_out, k_out, mrope_section_doubled, backward=False)
+
+
+def rope_bwd(grad_q_out: Tensor, grad_k_out: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+             grad_q: Tensor, grad_k: Tensor, mrope_section_doubled) -> None:
+    """Seed ``rope_bwd``: writes the gradients w.r.t. q and k into ``grad_q``, ``grad_k``.
+
+    ``q`` and ``k`` are accepted for signature compatibility and not read (the backward of a rotation
+    needs only the angles). ``grad_q`` may alias ``grad_q_out`` (in place).
+    """
+    del q, k
+    _apply(grad_q_out, grad_k_out, cos, sin, grad_q, grad_k, mrope_section_doubled, backward=True)

@@ -1,0 +1,36 @@
+// One lambda-based dtype dispatch for the whole core (no copy-pasted switches).
+#pragma once
+
+#include "mmfuse/common.h"
+#include "common/numerics.h"
+
+namespace mmfuse {
+
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+
+// Floating storage types: calls f(TypeTag<T>{}) with T in {float, double, bf16, f16}.
+template <class F>
+decltype(auto) dispatch_floating(DType t, const char* what, F&& f) {
+  switch (t) {
+    case DType::kFloat32: return f(TypeTag<float>{});
+    case DType::kFloat64: return f(TypeTag<double>{});
+    case DType::kBFloat16: return f(TypeTag<bf16>{});
+    case DType::kFloat16: return f(TypeTag<f16>{});
+    default: MMFUSE_FAIL(what, ": expected dtype float32, float64, bfloat16 or float16, got ", dtype_name(t));
+  }
+}
+
+// Index types: calls f(TypeTag<T>{}) with T in {int32_t, int64_t}.
+template <class F>
+decltype(auto) dispatch_index(DType t, const char* what, F&& f) {
+  switch (t) {
+    case DType::kInt32: return f(TypeTag<int32_t>{});
+    case DType::kInt64: return f(TypeTag<int64_t>{});
+    default: MMFUSE_FAIL(what, ": expected dtype int32 or int64, got ", dtype_name(t));
+  }
+}
+
+}  // namespace mmfuse

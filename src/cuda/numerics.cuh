@@ -1,0 +1,73 @@
+// Device storage/compute types and explicitly rounded arithmetic (no FMA contraction), shared by the
+// CUDA backends. Host storage types (common/numerics.h) map onto CUDA's types here.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common/numerics.h"
+
+namespace mmfuse {
+namespace cuda {
+
+template <class T>
+struct device_type {
+  using type = T;
+};
+template <>
+struct device_type<bf16> {
+  using type = __nv_bfloat16;
+};
+template <>
+struct device_type<f16> {
+  using type = __half;
+};
+
+template <class T>
+struct dcompute {
+  using type = float;
+};
+template <>
+struct dcompute<double> {
+  using type = double;
+};
+
+__device__ __forceinline__ float dload(float v) { return v; }
+__device__ __forceinline__ double dload(double v) { return v; }
+__device__ __forceinline__ float dload(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float dload(__half v) { return __half2float(v); }
+
+template <class T>
+__device__ __forceinline__ T dstore(typename dcompute<T>::type v);
+template <>
+__device__ __forceinline__ float dstore<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ double dstore<double>(double v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 dstore<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half dstore<__half>(float v) { return __float2half_rn(v); }
+
+template <class T>
+__device__ __forceinline__ typename dcompute<T>::type dround(typename dcompute<T>::type v) {
+  return dload(dstore<T>(v));
+}
+
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+
+__device__ __forceinline__ void sincos_c(float a, float* s, float* c) { sincosf(a, s, c); }
+__device__ __forceinline__ void sincos_c(double a, double* s, double* c) { sincos(a, s, c); }
+
+// VEC consecutive elements moved with one access (16 bytes for the full vector width).
+template <class T, int VEC>
+struct alignas(sizeof(T) * VEC) Vec {
+  T v[VEC];
+};
+
+}  // namespace cuda
+}  // namespace mmfuse
