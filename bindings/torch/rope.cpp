@@ -136,6 +136,12 @@ void reject_angle_grad(const OptTensor& t, const char* name) {
                     " requires grad, but gradients with respect to the angles are not supported; detach it");
 }
 
+// Gradients from autograd can be expanded (stride 0) or otherwise strided in the last dim, which the
+// kernels do not take; those alone are made contiguous. User inputs are never copied silently.
+Tensor kernel_ready(const Tensor& g) {
+  return g.dim() > 0 && g.size(-1) > 1 && g.stride(-1) != 1 ? g.contiguous() : g;
+}
+
 template <bool Backward>
 struct MropeFn : public torch::autograd::Function<MropeFn<Backward>> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const OptTensor& cos,
@@ -159,8 +165,8 @@ struct MropeFn : public torch::autograd::Function<MropeFn<Backward>> {
     auto saved = ctx->get_saved_variables();
     auto opt = [](const Tensor& t) { return t.defined() ? OptTensor(t) : OptTensor(); };
     const auto section = ctx->saved_data["section"].toIntVector();
-    const Tensor& gq = grads[0];  // undefined grads arrive as zeros (materialize_grads)
-    const Tensor& gk = grads[1];
+    const Tensor gq = kernel_ready(grads[0]);  // undefined grads arrive as zeros (materialize_grads)
+    const Tensor gk = kernel_ready(grads[1]);
     // The adjoint of the forward rotation is the backward op and vice versa; going through the
     // dispatcher keeps double backward differentiable.
     const bool interleaved = ctx->saved_data["interleaved"].toBool();
@@ -205,8 +211,8 @@ struct VisionFn : public torch::autograd::Function<VisionFn<Backward>> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const Tensor& gq = grads[0];  // undefined grads arrive as zeros (materialize_grads)
-    const Tensor& gk = grads[1];
+    const Tensor gq = kernel_ready(grads[0]);  // undefined grads arrive as zeros (materialize_grads)
+    const Tensor gk = kernel_ready(grads[1]);
     auto outs = Backward ? VisionFn<false>::apply(gq, gk, saved[0]) : VisionFn<true>::apply(gq, gk, saved[0]);
     return {outs[0], outs[1], Tensor()};
   }

@@ -62,13 +62,17 @@ inline cudaStream_t current_stream(const at::Tensor& t) {
 }
 
 // Runs fn, turning mmfuse::Error into c10::ValueError (Python ValueError) with the core's message.
+// The torch error is thrown after the handler has finished, not from inside it.
 template <class F>
-decltype(auto) guarded(const char* op, F&& fn) {
+void guarded(const char* op, F&& fn) {
+  std::string message;
   try {
-    return fn();
+    fn();
+    return;
   } catch (const mmfuse::Error& e) {
-    TORCH_CHECK_VALUE(false, "mmfuse.", op, ": ", e.what());
+    message = e.what();
   }
+  TORCH_CHECK_VALUE(false, "mmfuse.", op, ": ", message);
 }
 
 }  // namespace mmfuse::torch_bind

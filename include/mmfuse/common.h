@@ -8,9 +8,10 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 #if defined(_WIN32)
 #define MMFUSE_API __declspec(dllexport)
@@ -92,11 +93,20 @@ class MMFUSE_API Error : public std::runtime_error {
 };
 
 namespace detail {
+// Message building without iostreams (no locale machinery in the error path of an extension).
+inline void append(std::string& s, std::string_view v) { s.append(v.data(), v.size()); }
+inline void append(std::string& s, const char* v) { s.append(v ? v : "(null)"); }
+inline void append(std::string& s, char v) { s.push_back(v); }
+template <class T, std::enable_if_t<std::is_arithmetic_v<T> && !std::is_same_v<T, char>, int> = 0>
+void append(std::string& s, T v) {
+  if constexpr (std::is_same_v<T, bool>) s.append(v ? "true" : "false");
+  else s.append(std::to_string(v));
+}
 template <class... Args>
 std::string cat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (append(s, args), ...);
+  return s;
 }
 }  // namespace detail
 

@@ -21,6 +21,9 @@ namespace {
 
 using cuda::Vec;
 
+// Rows a thread keeps in flight (matches the 4 rows per thread that rope_launch_shape sizes for).
+constexpr int kRopeRowsPerThread = 4;
+
 enum class Source : int { kTableSame, kTableF32, kPosI32, kPosI64, kFreqs };
 
 struct RopeArgs {
@@ -82,10 +85,43 @@ __global__ void __launch_bounds__(512) rope_kernel(const RopeArgs a) {
   const int64_t t0 = int64_t(blockIdx.x) * TOK;
   const bool eager = a.params.numerics == RopeNumerics::kHfEager;
 
+  // Phase 2 mapping: rows (token, head) of q then k; thread = (slot, chunk). The first batch of row
+  // loads is issued before phase 1, so the angle work overlaps the memory latency.
+  constexpr int U = kRopeRowsPerThread;
+  const int chunk = threadIdx.x % a.chunks;
+  const int slot = threadIdx.x / a.chunks;
+  const int j0 = chunk * VEC;
+  const int Hh = a.heads[0] + a.heads[1];
+  const int64_t tok_here = min(int64_t(TOK), a.tokens - t0);
+  const int rows = int(tok_here) * Hh;
+  Vec<T, VEC> lo[U], hi[U];  // [U] rows x (x[j0..j0+VEC), x[j0+h..j0+h+VEC))
+  T* dst[U];
+  int tl[U];
+  auto load_batch = [&](int r0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int r = r0 + u * a.rows_per_pass;
+      dst[u] = nullptr;
+      if (slot < a.rows_per_pass && r < rows) {
+        tl[u] = r / Hh;
+        const int hd = r % Hh;
+        const int w = hd < a.heads[0] ? 0 : 1;
+        const int head = w == 0 ? hd : hd - a.heads[0];
+        const int64_t t = t0 + tl[u];
+        const int64_t b = t / a.L, l = t % a.L;
+        const T* src = static_cast<const T*>(a.x[w]) + b * a.xs[w][0] + l * a.xs[w][1] + head * a.xs[w][2] + j0;
+        dst[u] = static_cast<T*>(a.y[w]) + b * a.ys[w][0] + l * a.ys[w][1] + head * a.ys[w][2] + j0;
+        lo[u] = *reinterpret_cast<const Vec<T, VEC>*>(src);
+        hi[u] = *reinterpret_cast<const Vec<T, VEC>*>(src + h);
+      }
+    }
+  };
+  load_batch(slot);
+
   // Phase 1: coefficients of this block's tokens.
   for (int e = threadIdx.x; e < TOK * h; e += blockDim.x) {
-    const int tl = e / h, j = e % h;
-    const int64_t t = t0 + tl;
+    const int tl1 = e / h, j = e % h;
+    const int64_t t = t0 + tl1;
     if (t >= a.tokens) break;
     const int64_t b = t / a.L, l = t % a.L;
     const int axis = axis_of(a.params, j);
@@ -114,7 +150,7 @@ __global__ void __launch_bounds__(512) rope_kernel(const RopeArgs a) {
       c1 = cuda::dround<T>(c1), s1 = cuda::dround<T>(s1);
       c2 = cuda::dround<T>(c2), s2 = cuda::dround<T>(s2);
     }
-    const int idx = tl * h + j;
+    const int idx = tl1 * h + j;
     if (!a.params.backward) {
       sP1[idx] = c1, sQ1[idx] = s1, sP2[idx] = c2, sQ2[idx] = s2;
     } else {  // adjoint: dx1 = dy1*c1 + dy2*s2, dx2 = dy2*c2 - dy1*s1
@@ -123,35 +159,8 @@ __global__ void __launch_bounds__(512) rope_kernel(const RopeArgs a) {
   }
   __syncthreads();
 
-  // Phase 2: rows (token, head) of q then k; thread = (slot, chunk).
-  constexpr int U = 4;  // rows in flight per thread
-  const int chunk = threadIdx.x % a.chunks;
-  const int slot = threadIdx.x / a.chunks;
-  const int j0 = chunk * VEC;
-  const int Hh = a.heads[0] + a.heads[1];
-  const int64_t tok_here = min(int64_t(TOK), a.tokens - t0);
-  const int rows = int(tok_here) * Hh;
   for (int r0 = slot; r0 < rows; r0 += U * a.rows_per_pass) {
-    Vec<T, VEC> lo[U], hi[U];
-    T* dst[U];
-    int tl[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int r = r0 + u * a.rows_per_pass;
-      dst[u] = nullptr;
-      if (r < rows) {
-        tl[u] = r / Hh;
-        const int hd = r % Hh;
-        const int w = hd < a.heads[0] ? 0 : 1;
-        const int head = w == 0 ? hd : hd - a.heads[0];
-        const int64_t t = t0 + tl[u];
-        const int64_t b = t / a.L, l = t % a.L;
-        const T* src = static_cast<const T*>(a.x[w]) + b * a.xs[w][0] + l * a.xs[w][1] + head * a.xs[w][2] + j0;
-        dst[u] = static_cast<T*>(a.y[w]) + b * a.ys[w][0] + l * a.ys[w][1] + head * a.ys[w][2] + j0;
-        lo[u] = *reinterpret_cast<const Vec<T, VEC>*>(src);
-        hi[u] = *reinterpret_cast<const Vec<T, VEC>*>(src + h);
-      }
-    }
+    if (r0 != slot) load_batch(r0);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (dst[u] == nullptr) continue;

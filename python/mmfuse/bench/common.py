@@ -1,0 +1,65 @@
+"""Timing and reporting helpers of the benchmark CLI: CUDA events, medians, the copy ceiling, tables."""
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+
+def time_us(fn: Callable[[], object], device: str, warmup: int = 5, iters: int = 30) -> tuple:
+    """Median and (max - min) spread in microseconds of fn(); CUDA events on the GPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+    else:
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(times), max(times) - min(times)
+
+
+def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy ceiling, bytes read + written, in GB/s."""
+    if device != "cuda":
+        nbytes = 1 << 26
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    t, _ = time_us(lambda: dst.copy_(src), device, warmup=3, iters=20)
+    return 2 * nbytes / (t * 1e-6) / 1e9
+
+
+@dataclass
+class Row:
+    name: str
+    us: float
+    spread: float
+    nbytes: Optional[int] = None
+    baseline_us: Optional[float] = None
+    baseline: str = ""
+    verified: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def print_table(title: str, rows: List[Row], copy_gbs: Optional[float]) -> None:
+    print(f"\n## {title}")
+    hdr = f"| {'case':<46} | {'us':>9} | {'+-':>6} | {'GB/s':>7} | {'% copy':>6} | {'speedup':>16} | verified |"
+    print(hdr)
+    print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
+    for r in rows:
+        gbs = r.nbytes / (r.us * 1e-6) / 1e9 if r.nbytes else None
+        pct = f"{100 * gbs / copy_gbs:6.1f}" if gbs and copy_gbs else " " * 6
+        sp = f"{r.baseline_us / r.us:5.2f}x {r.baseline:<9}" if r.baseline_us else ""
+        gbs_s = f"{gbs:7.0f}" if gbs else " " * 7
+        print(f"| {r.name:<46} | {r.us:9.1f} | {r.spread:6.1f} | {gbs_s} | {pct} | {sp:>16} | {r.verified:<8} |")

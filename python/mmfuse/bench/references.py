@@ -1,0 +1,99 @@
+"""Reference formulas, written here in torch: HF's text mRoPE (Qwen2-VL / Qwen2.5-VL / Qwen3-VL) and
+vision RoPE, and realistic multimodal positions. Shared by the tests and the benchmarks."""
+
+import torch
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def select_sections(t, section, interleaved):
+    """[3, B, L, D] -> [B, L, D] by the section rule (HF's split of ``mrope_section * 2``)."""
+    if section is None:
+        return t[0]
+    if not interleaved:
+        return torch.cat([m[i % 3] for i, m in enumerate(t.split(list(section) * 2, dim=-1))], dim=-1)
+    h = t.shape[-1] // 2
+    j = torch.arange(h, device=t.device)
+    axis = torch.zeros(h, dtype=torch.long, device=t.device)
+    axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    axis = torch.cat([axis, axis])
+    return torch.gather(t, 0, axis.view(1, 1, 1, -1).expand(1, *t.shape[1:]))[0]
+
+
+def hf_tables(positions, inv_freq, dtype):
+    """Qwen2_5_VLRotaryEmbedding: cos/sin [3, B, L, D] from positions [3, B, L]."""
+    freqs = positions.float()[..., None] * inv_freq  # the K=1 matmul of HF: one fp32 multiply
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def hf_apply(q, cos, sin, section, interleaved, numerics, backward=False):
+    """q [B, H, L, D]; cos/sin [3, B, L, D] (HF's apply_multimodal_rotary_pos_emb)."""
+    c = select_sections(cos, section, interleaved).unsqueeze(1)
+    s = select_sections(sin, section, interleaved).unsqueeze(1)
+    dtype = q.dtype
+    if numerics == "fp32":
+        q, c, s = q.float(), c.float(), s.float()
+    else:
+        c, s = c.to(q.dtype), s.to(q.dtype)
+    if not backward:
+        out = q * c + rotate_half(q) * s
+    else:  # what autograd computes for the line above: grad*c + rotate_half^T(grad*s)
+        gs = q * s
+        h = q.shape[-1] // 2
+        out = q * c + torch.cat((gs[..., h:], -gs[..., :h]), dim=-1)
+    return out.to(dtype)
+
+
+def make_positions(B, L, device, seed=0):
+    """Realistic multimodal positions: text runs, an image grid and a video, then text."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.empty(3, B, L, dtype=torch.long)
+    for b in range(B):
+        st, i = 0, 0
+        while i < L:
+            n_text = int(torch.randint(1, 40, (1,), generator=g))
+            n = min(n_text, L - i)
+            pos[:, b, i:i + n] = st + torch.arange(n)
+            st += n
+            i += n
+            if i >= L:
+                break
+            t, hh, ww = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g)), \
+                int(torch.randint(2, 9, (1,), generator=g))
+            tt, yy, xx = torch.meshgrid(torch.arange(t) * 2, torch.arange(hh), torch.arange(ww), indexing="ij")
+            span = torch.stack([tt.flatten(), yy.flatten(), xx.flatten()]) + st
+            n = min(span.shape[1], L - i)
+            pos[:, b, i:i + n] = span[:, :n]
+            st = int(span.max()) + 1
+            i += n
+    return pos.to(device)
+
+
+def inv_freq_of(D, device, theta=1000000.0):
+    return 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D))
+
+
+def section_of(D, interleaved):
+    h = D // 2
+    if interleaved:
+        s = h * 5 // 16
+        return [h - 2 * s, s, s]
+    return [h // 4, (h - h // 4) // 2, h - h // 4 - (h - h // 4) // 2]
+
+
+def hf_vision(q, k, freqs):
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().unsqueeze(-2).float(), emb.sin().unsqueeze(-2).float()
+    qf, kf = q.float(), k.float()
+    return (qf * cos + rotate_half(qf) * sin).to(q.dtype), (kf * cos + rotate_half(kf) * sin).to(k.dtype)
+
+
+def vision_freqs(N, D, device):
+    inv = 1.0 / (10000 ** (torch.arange(0, D // 2, 2, dtype=torch.float32, device=device) / (D // 2)))
+    rows = torch.randint(0, 64, (N,), device=device).float()
+    cols = torch.randint(0, 64, (N,), device=device).float()
+    return torch.cat([rows[:, None] * inv, cols[:, None] * inv], dim=-1)

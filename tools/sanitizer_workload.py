@@ -1,0 +1,26 @@
+"""A small GPU workload of every torch op, run under compute-sanitizer by tools/gpu-check."""
+import torch
+
+import mmfuse
+from mmfuse.bench.references import hf_tables, inv_freq_of, make_positions, vision_freqs
+
+torch.manual_seed(0)
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for D in (64, 72, 80, 128, 256):
+        B, L = 2, 97
+        pos = make_positions(B, L, "cuda", seed=D)
+        inv = inv_freq_of(D, "cuda")
+        sec = [D // 8, (D // 2 - D // 8) // 2, D // 2 - D // 8 - (D // 2 - D // 8) // 2]
+        q = torch.randn(B, 5, L, D, dtype=dtype, device="cuda", requires_grad=True)
+        k = torch.randn(B, 3, L, D, dtype=dtype, device="cuda", requires_grad=True)
+        qo, ko = mmfuse.mrope(q, k, positions=pos, inv_freq=inv, mrope_section=sec)
+        (qo.float().sum() + ko.float().sum()).backward()
+        cos, sin = hf_tables(pos, inv, dtype)
+        mmfuse.mrope(q.detach(), k.detach(), cos, sin, mrope_section=sec, numerics="hf_eager", interleaved=False)
+        mmfuse.mrope_(q.detach().clone(), k.detach().clone(), positions=pos[0], inv_freq=inv)
+        fr = vision_freqs(L, D, "cuda")
+        qv = torch.randn(L, 4, D, dtype=dtype, device="cuda", requires_grad=True)
+        a, b = mmfuse.vision_rope(qv, qv, fr)
+        (a.float().sum() + b.float().sum()).backward()
+torch.cuda.synchronize()
+print("sanitizer workload done")
