@@ -230,7 +230,8 @@ std::tuple<Tensor, Tensor> vision_autograd(const Tensor& q, const Tensor& k, con
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mmfuse, CPU, m) {
+// One set of kernels for both devices: the core picks the backend from the tensors' device.
+void register_kernels(torch::Library& m) {
   m.impl("mrope", &mrope_impl);
   m.impl("mrope_backward", &mrope_backward_impl);
   m.impl("mrope_", &mrope_inplace_impl);
@@ -239,14 +240,8 @@ TORCH_LIBRARY_IMPL(mmfuse, CPU, m) {
   m.impl("vision_rope_backward", &vision_rope_backward_impl);
 }
 
-TORCH_LIBRARY_IMPL(mmfuse, CUDA, m) {
-  m.impl("mrope", &mrope_impl);
-  m.impl("mrope_backward", &mrope_backward_impl);
-  m.impl("mrope_", &mrope_inplace_impl);
-  m.impl("mrope_out", &mrope_out_impl);
-  m.impl("vision_rope", &vision_rope_impl);
-  m.impl("vision_rope_backward", &vision_rope_backward_impl);
-}
+TORCH_LIBRARY_IMPL(mmfuse, CPU, m) { register_kernels(m); }
+TORCH_LIBRARY_IMPL(mmfuse, CUDA, m) { register_kernels(m); }
 
 TORCH_LIBRARY_IMPL(mmfuse, Autograd, m) {
   m.impl("mrope", &mrope_autograd<false>);
