@@ -120,26 +120,30 @@ int rope_axis(const RopeParams& p, int j) {
   return 0;
 }
 
-RopeLaunch rope_launch_shape(int64_t tokens, int heads, int head_dim, int elem_size, int compute_size,
-                             int max_vec) {
+RopeLaunch rope_launch_shape(int64_t tokens, int heads, int head_dim, int elem_size, int max_vec) {
   RopeLaunch s{};
   const int half = head_dim / 2;
-  // 16-byte accesses where the half head, the pointers and the strides allow; else narrower.
-  int vec = std::max(1, std::min(max_vec, 16 / elem_size));
+  // 8-byte accesses where the half head, the pointers and the strides allow; else narrower. (On the
+  // H200, 8-byte slots beat 16-byte ones: twice the threads for the same bytes in flight.)
+#ifdef MMFUSE_ROPE_MAX_BYTES
+  int vec = std::max(1, std::min(max_vec, MMFUSE_ROPE_MAX_BYTES / elem_size));
+#else
+  int vec = std::max(1, std::min(max_vec, 8 / elem_size));
+#endif
   while (vec > 1 && half % vec != 0) vec /= 2;
   s.vec = vec;
   s.chunks = half / vec;
-  // About 256 threads a block: enough warps to cover latency, small enough for many blocks per SM.
-  s.rows_per_pass = std::max(1, 256 / s.chunks);
-  s.threads = s.chunks * s.rows_per_pass;
-  // Stage the angles of enough tokens that each thread handles about 4 rows (loads in flight),
-  // capped so that the staged angles (4 arrays of half values) stay within 32 KB.
-  const int want_rows = s.rows_per_pass * 4;
-  int tok = std::max(1, (want_rows + heads - 1) / std::max(heads, 1));
-  const int cap = std::max(1, 32768 / (4 * half * compute_size));
-  tok = std::min({tok, 16, cap});
-  s.tokens_per_block = tok;
-  s.blocks = tokens <= 0 ? 0 : (tokens + tok - 1) / tok;
+  // About 128 threads a block (up to 512 when one token alone needs more vectors).
+  s.tokens_per_block = std::max(1, 128 / s.chunks);
+  s.threads = s.tokens_per_block * s.chunks;
+  s.blocks = tokens <= 0 ? 0 : (tokens + s.tokens_per_block - 1) / s.tokens_per_block;
+  // Each thread stages up to kRopeMaxRowsInFlight rows (two vectors each) in shared memory, within
+  // 48 KB a block.
+  const int slot_bytes = vec * elem_size;
+  s.rows_in_flight = std::max(1, std::min(kRopeMaxRowsInFlight, 49152 / (2 * s.threads * slot_bytes)));
+  // A thread's head group is one batch of rows, all in flight at once.
+  s.heads_per_group = std::max(1, std::min(heads, s.rows_in_flight));
+  s.head_groups = std::max(1, (heads + s.heads_per_group - 1) / s.heads_per_group);
   return s;
 }
 

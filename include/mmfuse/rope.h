@@ -67,19 +67,26 @@ MMFUSE_API void vision_rope(const TensorView& q, const TensorView& k, const Tens
 // Axis (0, 1, 2) of half-channel j: the section rule above. Pure host function.
 MMFUSE_API int rope_axis(const RopeParams& params, int j);
 
-// Launch shape of the CUDA text kernel (pure host function, unit-tested on the host).
+// Rows (token, head) one CUDA thread stages in shared memory at once, at most.
+#ifndef MMFUSE_ROPE_MAX_ROWS
+#define MMFUSE_ROPE_MAX_ROWS 8
+#endif
+constexpr int kRopeMaxRowsInFlight = MMFUSE_ROPE_MAX_ROWS;
+
+// Launch shape of the CUDA kernel (pure host function, unit-tested on the host).
 struct RopeLaunch {
   int vec;              // elements per access (16 bytes where alignment allows)
   int chunks;           // vectors per half head: D / 2 / vec
-  int rows_per_pass;    // (token, head) rows one block covers per pass: threads / chunks
-  int tokens_per_block; // tokens whose angles one block stages in shared memory
-  int threads;          // chunks * rows_per_pass
-  int64_t blocks;
+  int tokens_per_block; // tokens of one block; a thread owns one token and one vector
+  int threads;          // tokens_per_block * chunks
+  int heads_per_group;  // (token, head) rows of one thread: heads of q then k, split into groups
+  int head_groups;      // grid y
+  int rows_in_flight;   // rows a thread stages in shared memory at once (<= kRopeMaxRowsInFlight)
+  int64_t blocks;       // grid x
 };
-// max_vec: the largest elements-per-access that the pointers and strides allow (a power of two);
-// compute_size: bytes of the compute type (4, or 8 for fp64), which sizes the staged angles.
-MMFUSE_API RopeLaunch rope_launch_shape(int64_t tokens, int heads, int head_dim, int elem_size,
-                                        int compute_size, int max_vec);
+// heads: Hq + Hk; max_vec: the largest elements-per-access that the pointers and strides allow
+// (a power of two).
+MMFUSE_API RopeLaunch rope_launch_shape(int64_t tokens, int heads, int head_dim, int elem_size, int max_vec);
 
 namespace detail {
 // Backends, called by mrope after validation. The views are already normalised: q/k/outs 4-D

@@ -5,6 +5,8 @@ A missing or broken build is an ImportError that says what to do; there is no si
 """
 
 import glob
+import importlib.machinery
+import importlib.util
 import os
 
 import torch
@@ -26,4 +28,18 @@ def _load() -> str:
     return path
 
 
+def _module(path: str):
+    """The Python module face of _C.so (direct eager entry points), or None when it was built
+    without the Python headers."""
+    try:
+        loader = importlib.machinery.ExtensionFileLoader("mmfuse._C", path)
+        spec = importlib.util.spec_from_file_location("mmfuse._C", path, loader=loader)
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+        return mod
+    except ImportError:
+        return None
+
+
 LIBRARY_PATH = _load()
+fast = _module(LIBRARY_PATH)

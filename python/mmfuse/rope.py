@@ -19,6 +19,17 @@ _mrope_inplace = _ops.mrope_.default
 _vision_rope = _ops.vision_rope.default
 
 _LAYOUTS = ("bhld", "blhd", "thd")
+_fast_mrope = getattr(_lib.fast, "mrope", None)
+_is_compiling = torch.compiler.is_compiling
+_tf_mode = torch._C._is_torch_function_mode_enabled
+
+
+def _direct(*tensors) -> bool:
+    """Eager call on plain tensors with no torch-function mode: the C++ entry point (same op, less
+    argument parsing) is safe. Under torch.compile and for tensor subclasses, torch.ops is used."""
+    if _fast_mrope is None or _is_compiling() or _tf_mode():
+        return False
+    return all(t is None or type(t) is Tensor for t in tensors)
 
 
 def mrope(
@@ -72,8 +83,10 @@ def mrope(
     """
     if qk_layout not in _LAYOUTS:
         raise ValueError(f"mmfuse.mrope: qk_layout: expected one of {_LAYOUTS}, got {qk_layout!r}")
-    return _mrope(q, k, cos, sin, positions, inv_freq, mrope_section or (), interleaved, numerics,
-                  qk_layout == "bhld")
+    section = list(mrope_section) if mrope_section else []
+    if _direct(q, k, cos, sin, positions, inv_freq):
+        return _fast_mrope(q, k, cos, sin, positions, inv_freq, section, interleaved, numerics, qk_layout == "bhld")
+    return _mrope(q, k, cos, sin, positions, inv_freq, section, interleaved, numerics, qk_layout == "bhld")
 
 
 def mrope_(

@@ -1,11 +1,10 @@
 // CUDA backend of the rotary family: one kernel for text RoPE / mRoPE (both angle sources, all
 // layouts, both numerics modes, forward and adjoint) and vision RoPE (per-token angles).
 //
-// Each block owns `tokens_per_block` consecutive tokens (t = b*L + l). Phase 1 stages, per token and
-// half-channel, the four coefficients (P1, Q1, P2, Q2) in shared memory, so each cos/sin is computed
-// (or read from the table) once per token, not once per head. Phase 2 walks the (token, head) rows
-// of q and k: a thread owns one vector of `vec` half-channels and moves x[j..j+vec) and
-// x[j+h..j+h+vec) with one access each, rows unrolled so that several loads are in flight.
+// A thread owns one token (t = b*L + l), one vector of `vec` half-channels and one group of heads:
+// it computes (or reads from the table) the cos/sin of its channels once, keeps the four
+// coefficients in registers, and streams its heads' rows of q and k with 16-byte accesses, several
+// rows in flight. No shared memory, no barrier: every thread is an independent stream.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -20,9 +19,6 @@ namespace detail {
 namespace {
 
 using cuda::Vec;
-
-// Rows a thread keeps in flight (matches the 4 rows per thread that rope_launch_shape sizes for).
-constexpr int kRopeRowsPerThread = 4;
 
 enum class Source : int { kTableSame, kTableF32, kPosI32, kPosI64, kFreqs };
 
@@ -48,7 +44,8 @@ struct RopeArgs {
   int64_t frs[3];        // freqs strides (b, l, j)
   RopeParams params;
   // launch shape
-  int tokens_per_block, chunks, rows_per_pass;
+  int tokens_per_block, chunks, heads_per_group, rows_in_flight;
+  bool table_vec;  // cos/sin rows of q's dtype, contiguous and aligned, one axis per vector: vector loads
 };
 
 __device__ __forceinline__ int axis_of(const RopeParams& p, int j) {
@@ -70,106 +67,159 @@ __device__ __forceinline__ C table_load(const RopeArgs& a, const void* base, con
   return C(cuda::dload(static_cast<const T*>(base)[off]));
 }
 
-template <class T, int VEC>
+// Coefficients of one half-channel: y1 = x1*P1 - x2*Q1, y2 = x2*P2 + x1*Q2.
+template <class T, class C>
+__device__ __forceinline__ void coefficients(const RopeArgs& a, int64_t b, int64_t l, int j, C& P1, C& Q1, C& P2,
+                                             C& Q2) {
+  const int axis = axis_of(a.params, j);
+  const int h = a.half;
+  C c1, s1, c2, s2;
+  if (a.source == Source::kTableSame || a.source == Source::kTableF32) {
+    c1 = table_load<T, C>(a, a.cos, a.cs, axis, b, l, j);
+    s1 = table_load<T, C>(a, a.sin, a.ss, axis, b, l, j);
+    c2 = table_load<T, C>(a, a.cos, a.cs, axis, b, l, j + h);
+    s2 = table_load<T, C>(a, a.sin, a.ss, axis, b, l, j + h);
+  } else {
+    float angle;
+    if (a.source == Source::kFreqs) {
+      angle = a.freqs[b * a.frs[0] + l * a.frs[1] + int64_t(j) * a.frs[2]];
+    } else {
+      const int64_t off = axis * a.ps[0] + b * a.ps[1] + l * a.ps[2];
+      const float p = a.source == Source::kPosI32 ? float(static_cast<const int32_t*>(a.pos)[off])
+                                                  : float(static_cast<const int64_t*>(a.pos)[off]);
+      angle = __fmul_rn(p, a.inv_freq[int64_t(j) * a.fs]);
+    }
+    C sv, cv;
+    cuda::sincos_c(C(angle), &sv, &cv);
+    c1 = c2 = cv;
+    s1 = s2 = sv;
+  }
+  if (a.params.numerics == RopeNumerics::kHfEager) {
+    c1 = cuda::dround<T>(c1), s1 = cuda::dround<T>(s1);
+    c2 = cuda::dround<T>(c2), s2 = cuda::dround<T>(s2);
+  }
+  if (!a.params.backward) {
+    P1 = c1, Q1 = s1, P2 = c2, Q2 = s2;
+  } else {  // adjoint: dx1 = dy1*c1 + dy2*s2, dx2 = dy2*c2 - dy1*s1
+    P1 = c1, Q1 = -s2, P2 = c2, Q2 = -s1;
+  }
+}
+
+// Stages `Bytes` bytes from global to shared memory without a register round trip (cp.async on
+// sm_80+; 2-byte slots, which cp.async cannot move, go through a register).
+template <int Bytes>
+__device__ __forceinline__ void stage(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (Bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(unsigned(__cvta_generic_to_shared(smem))),
+                 "l"(gmem));
+    return;
+  } else if constexpr (Bytes == 8 || Bytes == 4) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(unsigned(__cvta_generic_to_shared(smem))),
+                 "l"(gmem), "n"(Bytes));
+    return;
+  }
+#endif
+  struct alignas(Bytes) Raw { unsigned char b[Bytes]; };
+  *static_cast<Raw*>(smem) = *static_cast<const Raw*>(gmem);
+}
+
+__device__ __forceinline__ void stage_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// One thread = one token x one vector of VEC half-channels x one group of heads. It computes the
+// coefficients of its channels once (registers), then moves its group's (token, head) rows of q
+// and k: all of them (up to rows_in_flight) are staged at once into the thread's own slots of
+// shared memory with asynchronous copies, so many bytes are in flight without holding registers;
+// then each row is rotated from shared memory and stored with 16-byte stores. The slots are private
+// to the thread ([slot][thread], conflict-free), so there is no barrier.
+// Grid: x = token blocks, y = head groups (uniform per block, so the q/k choice never diverges).
+// kSym: the angle source gives one cos/sin per half-channel pair (positions, freqs), so P2 == P1
+// and Q2 == Q1 and half the coefficient registers suffice.
+template <class T, int VEC, bool kSym>
 __global__ void __launch_bounds__(512) rope_kernel(const RopeArgs a) {
   using C = typename cuda::dcompute<T>::type;
+  using V = Vec<T, VEC>;
   static_assert(VEC >= 1 && (VEC & (VEC - 1)) == 0, "VEC must be a power of two");
   static_assert(sizeof(T) * VEC <= 16, "one access moves at most 16 bytes");
+  constexpr int kP2 = kSym ? 0 : 2, kQ2 = kSym ? 1 : 3;
   extern __shared__ unsigned char smem_raw[];
+  V* slots = reinterpret_cast<V*>(smem_raw);  // [2 * rows_in_flight][blockDim.x]
+  const int nthr = blockDim.x, tid = threadIdx.x;
   const int h = a.half;
-  const int TOK = a.tokens_per_block;
-  C* sP1 = reinterpret_cast<C*>(smem_raw);  // [TOK, h] each
-  C* sQ1 = sP1 + TOK * h;
-  C* sP2 = sQ1 + TOK * h;
-  C* sQ2 = sP2 + TOK * h;
-  const int64_t t0 = int64_t(blockIdx.x) * TOK;
+  const int chunk = tid % a.chunks;
+  const int64_t t = int64_t(blockIdx.x) * a.tokens_per_block + tid / a.chunks;
+  if (tid >= a.tokens_per_block * a.chunks || t >= a.tokens) return;
+  const int64_t b = t / a.L, l = t - b * a.L;
+  const int j0 = chunk * VEC;
+
+  const T* xq = static_cast<const T*>(a.x[0]) + b * a.xs[0][0] + l * a.xs[0][1] + j0;
+  const T* xk = static_cast<const T*>(a.x[1]) + b * a.xs[1][0] + l * a.xs[1][1] + j0;
+  T* yq = static_cast<T*>(a.y[0]) + b * a.ys[0][0] + l * a.ys[0][1] + j0;
+  T* yk = static_cast<T*>(a.y[1]) + b * a.ys[1][0] + l * a.ys[1][1] + j0;
+  const int Hq = a.heads[0];
+  const int hd0 = int(blockIdx.y) * a.heads_per_group;
+  const int hd1 = min(hd0 + a.heads_per_group, Hq + a.heads[1]);
+  const int R = a.rows_in_flight;
   const bool eager = a.params.numerics == RopeNumerics::kHfEager;
 
-  // Phase 2 mapping: rows (token, head) of q then k; thread = (slot, chunk). The first batch of row
-  // loads is issued before phase 1, so the angle work overlaps the memory latency.
-  constexpr int U = kRopeRowsPerThread;
-  const int chunk = threadIdx.x % a.chunks;
-  const int slot = threadIdx.x / a.chunks;
-  const int j0 = chunk * VEC;
-  const int Hh = a.heads[0] + a.heads[1];
-  const int64_t tok_here = min(int64_t(TOK), a.tokens - t0);
-  const int rows = int(tok_here) * Hh;
-  Vec<T, VEC> lo[U], hi[U];  // [U] rows x (x[j0..j0+VEC), x[j0+h..j0+h+VEC))
-  T* dst[U];
-  int tl[U];
-  auto load_batch = [&](int r0) {
+  // The first batch of rows is in flight while the coefficients are computed.
+  auto issue = [&](int r0) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int r = r0 + u * a.rows_per_pass;
-      dst[u] = nullptr;
-      if (slot < a.rows_per_pass && r < rows) {
-        tl[u] = r / Hh;
-        const int hd = r % Hh;
-        const int w = hd < a.heads[0] ? 0 : 1;
-        const int head = w == 0 ? hd : hd - a.heads[0];
-        const int64_t t = t0 + tl[u];
-        const int64_t b = t / a.L, l = t % a.L;
-        const T* src = static_cast<const T*>(a.x[w]) + b * a.xs[w][0] + l * a.xs[w][1] + head * a.xs[w][2] + j0;
-        dst[u] = static_cast<T*>(a.y[w]) + b * a.ys[w][0] + l * a.ys[w][1] + head * a.ys[w][2] + j0;
-        lo[u] = *reinterpret_cast<const Vec<T, VEC>*>(src);
-        hi[u] = *reinterpret_cast<const Vec<T, VEC>*>(src + h);
+    for (int u = 0; u < kRopeMaxRowsInFlight; ++u) {
+      const int hd = r0 + u;
+      if (u < R && hd < hd1) {
+        const T* src = hd < Hq ? xq + hd * a.xs[0][2] : xk + (hd - Hq) * a.xs[1][2];
+        stage<sizeof(V)>(&slots[(2 * u) * nthr + tid], src);
+        stage<sizeof(V)>(&slots[(2 * u + 1) * nthr + tid], src + h);
       }
     }
   };
-  load_batch(slot);
+  issue(hd0);
 
-  // Phase 1: coefficients of this block's tokens.
-  for (int e = threadIdx.x; e < TOK * h; e += blockDim.x) {
-    const int tl1 = e / h, j = e % h;
-    const int64_t t = t0 + tl1;
-    if (t >= a.tokens) break;
-    const int64_t b = t / a.L, l = t % a.L;
-    const int axis = axis_of(a.params, j);
-    C c1, s1, c2, s2;
-    if (a.source == Source::kTableSame || a.source == Source::kTableF32) {
-      c1 = table_load<T, C>(a, a.cos, a.cs, axis, b, l, j);
-      s1 = table_load<T, C>(a, a.sin, a.ss, axis, b, l, j);
-      c2 = table_load<T, C>(a, a.cos, a.cs, axis, b, l, j + h);
-      s2 = table_load<T, C>(a, a.sin, a.ss, axis, b, l, j + h);
-    } else {
-      float angle;
-      if (a.source == Source::kFreqs) {
-        angle = a.freqs[b * a.frs[0] + l * a.frs[1] + int64_t(j) * a.frs[2]];
-      } else {
-        const int64_t off = axis * a.ps[0] + b * a.ps[1] + l * a.ps[2];
-        const float p = a.source == Source::kPosI32 ? float(static_cast<const int32_t*>(a.pos)[off])
-                                                    : float(static_cast<const int64_t*>(a.pos)[off]);
-        angle = __fmul_rn(p, a.inv_freq[int64_t(j) * a.fs]);
-      }
-      C sv, cv;
-      cuda::sincos_c(C(angle), &sv, &cv);
-      c1 = c2 = cv;
-      s1 = s2 = sv;
+  C k[kSym ? 2 : 4][VEC];  // P1, Q1, P2, Q2
+  if (!kSym && a.table_vec) {  // one vector load per table row (values already in T: no rounding)
+    const int axis = axis_of(a.params, j0);
+    const int64_t oc = axis * a.cs[0] + b * a.cs[1] + l * a.cs[2] + j0;
+    const int64_t os = axis * a.ss[0] + b * a.ss[1] + l * a.ss[2] + j0;
+    const T* cp = static_cast<const T*>(a.cos);
+    const T* sp = static_cast<const T*>(a.sin);
+    const V c1 = *reinterpret_cast<const V*>(cp + oc), c2 = *reinterpret_cast<const V*>(cp + oc + h);
+    const V s1 = *reinterpret_cast<const V*>(sp + os), s2 = *reinterpret_cast<const V*>(sp + os + h);
+    const C sign = a.params.backward ? C(-1) : C(1);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      k[0][e] = cuda::dload(c1.v[e]);
+      k[kP2][e] = cuda::dload(c2.v[e]);
+      // forward: Q1 = s1, Q2 = s2; adjoint: Q1 = -s2, Q2 = -s1 (negation is exact)
+      k[1][e] = sign * cuda::dload(a.params.backward ? s2.v[e] : s1.v[e]);
+      k[kQ2][e] = sign * cuda::dload(a.params.backward ? s1.v[e] : s2.v[e]);
     }
-    if (eager) {
-      c1 = cuda::dround<T>(c1), s1 = cuda::dround<T>(s1);
-      c2 = cuda::dround<T>(c2), s2 = cuda::dround<T>(s2);
-    }
-    const int idx = tl1 * h + j;
-    if (!a.params.backward) {
-      sP1[idx] = c1, sQ1[idx] = s1, sP2[idx] = c2, sQ2[idx] = s2;
-    } else {  // adjoint: dx1 = dy1*c1 + dy2*s2, dx2 = dy2*c2 - dy1*s1
-      sP1[idx] = c1, sQ1[idx] = -s2, sP2[idx] = c2, sQ2[idx] = -s1;
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      C p1, q1, p2, q2;
+      coefficients<T, C>(a, b, l, j0 + e, p1, q1, p2, q2);
+      k[0][e] = p1, k[1][e] = q1, k[kP2][e] = p2, k[kQ2][e] = q2;
     }
   }
-  __syncthreads();
 
-  for (int r0 = slot; r0 < rows; r0 += U * a.rows_per_pass) {
-    if (r0 != slot) load_batch(r0);
+  for (int r0 = hd0; r0 < hd1; r0 += R) {
+    if (r0 != hd0) issue(r0);
+    stage_wait();
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (dst[u] == nullptr) continue;
-      const int base = tl[u] * h + j0;
-      Vec<T, VEC> olo, ohi;
+    for (int u = 0; u < kRopeMaxRowsInFlight; ++u) {
+      const int hd = r0 + u;
+      if (u >= R || hd >= hd1) break;
+      const V lo = slots[(2 * u) * nthr + tid], hi = slots[(2 * u + 1) * nthr + tid];
+      V olo, ohi;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        const C x1 = cuda::dload(lo[u].v[e]), x2 = cuda::dload(hi[u].v[e]);
-        const C p1 = sP1[base + e], q1 = sQ1[base + e], p2 = sP2[base + e], q2 = sQ2[base + e];
+        const C x1 = cuda::dload(lo.v[e]), x2 = cuda::dload(hi.v[e]);
+        const C p1 = k[0][e], q1 = k[1][e], p2 = k[kP2][e], q2 = k[kQ2][e];
         C y1, y2;
         if (eager) {
           y1 = cuda::sub_rn(cuda::dround<T>(cuda::mul_rn(x1, p1)), cuda::dround<T>(cuda::mul_rn(x2, q1)));
@@ -181,8 +231,9 @@ __global__ void __launch_bounds__(512) rope_kernel(const RopeArgs a) {
         olo.v[e] = cuda::dstore<T>(y1);
         ohi.v[e] = cuda::dstore<T>(y2);
       }
-      *reinterpret_cast<Vec<T, VEC>*>(dst[u]) = olo;
-      *reinterpret_cast<Vec<T, VEC>*>(dst[u] + h) = ohi;
+      T* dst = hd < Hq ? yq + hd * a.ys[0][2] : yk + (hd - Hq) * a.ys[1][2];
+      *reinterpret_cast<V*>(dst) = olo;
+      *reinterpret_cast<V*>(dst + h) = ohi;
     }
   }
 }
@@ -204,11 +255,32 @@ int max_vec_for(const RopeArgs& a, int elem) {
   return vec;
 }
 
+// The cos/sin tables can be read one vector (s.vec entries) at a time: contiguous, aligned, and
+// every vector of half-channels within one axis (never true of the interleaved layout).
+bool table_vectorizable(const RopeArgs& a, const RopeAngles& ang, int vec, int elem) {
+  if (vec == 1) return false;
+  if (a.params.layout == RopeLayout::kInterleaved) return false;
+  if (a.params.layout == RopeLayout::kSectioned &&
+      (a.params.section[0] % vec != 0 || (a.params.section[0] + a.params.section[1]) % vec != 0))
+    return false;
+  for (const TensorView* t : {&ang.cos, &ang.sin}) {
+    if (t->stride[3] != 1 || reinterpret_cast<uintptr_t>(t->data) % (vec * elem) != 0) return false;
+    for (int d = 0; d < 3; ++d)
+      if (t->stride[d] % vec != 0) return false;
+  }
+  return true;
+}
+
 template <class T, int VEC>
 void launch_vec(const RopeArgs& a, const RopeLaunch& s, cudaStream_t stream) {
-  using C = typename cuda::dcompute<T>::type;
-  const size_t smem = size_t(4) * s.tokens_per_block * a.half * sizeof(C);
-  rope_kernel<T, VEC><<<dim3(unsigned(s.blocks)), dim3(unsigned(s.threads)), smem, stream>>>(a);
+  const dim3 grid(unsigned(s.blocks), unsigned(s.head_groups)), block(unsigned(s.threads));
+  const size_t smem = size_t(2) * s.rows_in_flight * s.threads * sizeof(Vec<T, VEC>);
+  const bool sym = a.source != Source::kTableSame && a.source != Source::kTableF32;
+  if (sym) {
+    rope_kernel<T, VEC, true><<<grid, block, smem, stream>>>(a);
+  } else {
+    rope_kernel<T, VEC, false><<<grid, block, smem, stream>>>(a);
+  }
   MMFUSE_CUDA_CHECK_LAUNCH("rope_kernel");
 }
 
@@ -253,12 +325,14 @@ void mrope_cuda(const TensorView& q, const TensorView& k, const RopeAngles& ang,
   const int Hh = a.heads[0] + a.heads[1];
   dispatch_floating(q.dtype, "q", [&](auto tag) {
     using T = typename cuda::device_type<typename decltype(tag)::type>::type;
-    using C = typename cuda::dcompute<T>::type;
-    const RopeLaunch s = rope_launch_shape(a.tokens, Hh, int(q.shape[3]), int(sizeof(T)), int(sizeof(C)),
-                                           max_vec_for(a, int(sizeof(T))));
+    const RopeLaunch s = rope_launch_shape(a.tokens, Hh, int(q.shape[3]), int(sizeof(T)), max_vec_for(a, int(sizeof(T))));
+    a.table_vec = a.source == Source::kTableSame && table_vectorizable(a, ang, s.vec, int(sizeof(T)));
     a.tokens_per_block = s.tokens_per_block;
     a.chunks = s.chunks;
-    a.rows_per_pass = s.rows_per_pass;
+    a.heads_per_group = s.heads_per_group;
+    a.rows_in_flight = s.rows_in_flight;
+    MMFUSE_CHECK(s.rows_in_flight >= 1 && s.rows_in_flight <= kRopeMaxRowsInFlight,
+                 "mrope: internal error: rows in flight ", s.rows_in_flight);
     MMFUSE_CHECK(s.blocks < (int64_t(1) << 31), "mrope: too many tokens for one launch: ", a.tokens);
     switch (s.vec) {
       case 8: if constexpr (16 / sizeof(T) >= 8) { launch_vec<T, 8>(a, s, stream); return; } break;

@@ -303,25 +303,35 @@ TEST(RopeHost, AxisRule) {
 }
 
 TEST(RopeHost, LaunchShape) {
-  RopeLaunch s = rope_launch_shape(16384, 32, 128, 2, 4, 8);  // Qwen2.5-VL-7B, bf16
-  EXPECT_EQ(s.vec, 8);
-  EXPECT_EQ(s.chunks, 8);
-  EXPECT_EQ(s.threads, 256);
-  EXPECT_EQ(s.tokens_per_block, 4);
-  EXPECT_EQ(s.blocks, 4096);
-  s = rope_launch_shape(100, 32, 80, 2, 4, 8);  // vision head dim 80: 5 vectors a half head
-  EXPECT_EQ(s.vec, 8);
-  EXPECT_EQ(s.chunks, 5);
-  EXPECT_EQ(s.threads, 255);
-  s = rope_launch_shape(100, 8, 72, 2, 4, 8);  // 36 half-channels: 8-byte accesses
+  RopeLaunch s = rope_launch_shape(16384, 32, 128, 2, 8);  // Qwen2.5-VL-7B, bf16, B4 L4096
+  EXPECT_EQ(s.vec, 4);  // 8-byte slots
+  EXPECT_EQ(s.chunks, 16);
+  EXPECT_EQ(s.tokens_per_block, 8);
+  EXPECT_EQ(s.threads, 128);
+  EXPECT_EQ(s.blocks, 2048);
+  EXPECT_EQ(s.rows_in_flight, kRopeMaxRowsInFlight);
+  EXPECT_EQ(s.heads_per_group, kRopeMaxRowsInFlight);  // all of a thread's rows in flight at once
+  EXPECT_EQ(s.head_groups, (32 + kRopeMaxRowsInFlight - 1) / kRopeMaxRowsInFlight);
+  s = rope_launch_shape(16384, 32, 80, 2, 8);  // vision: 10 vectors a half head, 16 + 16 heads
+  EXPECT_EQ(s.vec, 4);
+  EXPECT_EQ(s.chunks, 10);
+  EXPECT_EQ(s.threads, 120);
+  EXPECT_EQ(rope_launch_shape(100, 8, 128, 4, 8).vec, 2);  // fp32
+  EXPECT_EQ(rope_launch_shape(100, 8, 128, 2, 2).vec, 2);  // 4-byte aligned strides only
+  s = rope_launch_shape(100, 7, 72, 2, 8);  // 36 half-channels: 8-byte accesses; 7 heads
   EXPECT_EQ(s.vec, 4);
   EXPECT_EQ(s.chunks, 9);
-  s = rope_launch_shape(100, 8, 128, 2, 4, 1);  // misaligned strides: scalar accesses
+  EXPECT_EQ(s.heads_per_group, std::min(7, kRopeMaxRowsInFlight));
+  s = rope_launch_shape(100, 8, 128, 2, 1);  // misaligned strides: scalar accesses
   EXPECT_EQ(s.vec, 1);
   EXPECT_LE(s.threads, 512);
-  s = rope_launch_shape(10, 1, 1024, 8, 8, 2);  // largest head dim in fp64: staged angles <= 32 KB
-  EXPECT_LE(4 * s.tokens_per_block * 512 * 8, 32768);
-  EXPECT_EQ(rope_launch_shape(0, 4, 64, 2, 4, 8).blocks, 0);
+  s = rope_launch_shape(10, 20, 1024, 8, 1);  // largest head dim in fp64, scalar: 512 vectors a token
+  EXPECT_EQ(s.threads, 512);
+  EXPECT_EQ(s.rows_in_flight, 6);  // the staging slots stay within 48 KB
+  EXPECT_LE(2 * s.rows_in_flight * s.threads * 8, 49152);
+  EXPECT_GE(s.heads_per_group * s.head_groups, 20);  // the groups cover every head
+  EXPECT_LT((s.head_groups - 1) * s.heads_per_group, 20);  // and none is empty
+  EXPECT_EQ(rope_launch_shape(0, 4, 64, 2, 8).blocks, 0);
 }
 
 // ---- bad input --------------------------------------------------------------------------------

@@ -352,3 +352,35 @@ def test_bad_inputs_name_the_problem():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="expected device cuda:0, got cpu"):
             call(q=q.cuda(), k=k.cuda())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_direct_entry_point_is_the_same_op(device):
+    """The eager entry point of _C (when built with the Python headers) gives the op's result, keeps
+    autograd, and steps aside for torch-function modes, which must see the torch.ops call."""
+    from mmfuse import _lib, rope
+
+    q = torch.randn(2, 3, 5, 64, device=device, requires_grad=True)
+    k = torch.randn(2, 1, 5, 64, device=device)
+    pos = make_positions(2, 5, device, seed=3)
+    inv = inv_freq_of(64, device)
+    sec = [8, 12, 12]
+    if _lib.fast is not None:
+        assert rope._direct(q, k, None, None, pos, inv)
+    ours = mmfuse.mrope(q, k, positions=pos, inv_freq=inv, mrope_section=sec)
+    ref = torch.ops.mmfuse.mrope.default(q, k, None, None, pos, inv, sec, False, "fp32", True)
+    assert all(bits_equal(a, b) for a, b in zip(ours, ref))
+    ours[0].sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+
+    seen = []
+
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        assert not rope._direct(q, k, None, None, pos, inv)
+        mmfuse.mrope(q.detach(), k, positions=pos, inv_freq=inv, mrope_section=sec)
+    assert torch.ops.mmfuse.mrope.default in seen

@@ -9,7 +9,13 @@ import torch
 
 
 def time_us(fn: Callable[[], object], device: str, warmup: int = 5, iters: int = 30) -> tuple:
-    """Median and (max - min) spread in microseconds of fn(); CUDA events on the GPU."""
+    """Median and (max - min) spread in microseconds of fn(): device time on the GPU.
+
+    On the GPU each sample is fn() between two CUDA events, queued behind a ~0.5 ms sleep kernel so
+    that the host has enqueued all of fn's launches before the GPU reaches them: the sample is the
+    GPU time of fn's kernels, without the host's launch latency (reported separately as host
+    overhead). On the CPU it is wall time.
+    """
     for _ in range(warmup):
         fn()
     times = []
@@ -17,6 +23,7 @@ def time_us(fn: Callable[[], object], device: str, warmup: int = 5, iters: int =
         torch.cuda.synchronize()
         for _ in range(iters):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1_000_000)
             a.record()
             fn()
             b.record()

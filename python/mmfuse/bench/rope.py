@@ -161,8 +161,12 @@ def _host_overhead_us(device):
             torch.cuda.synchronize()
         return (time.perf_counter() - t) / n * 1e6
 
-    return dict(mrope_us=per_call(lambda: mmfuse.mrope(q, k, positions=pos, inv_freq=inv, mrope_section=[8, 12, 12])),
-                torch_add_us=per_call(lambda: torch.add(q, k)))
+    op = torch.ops.mmfuse.mrope.default
+    sec = [8, 12, 12]
+    return dict(mrope_us=per_call(lambda: mmfuse.mrope(q, k, positions=pos, inv_freq=inv, mrope_section=sec)),
+                torch_ops_us=per_call(lambda: op(q, k, None, None, pos, inv, sec, False, "fp32", True)),
+                torch_add_us=per_call(lambda: torch.add(q, k)),
+                empty_like_us=per_call(lambda: (torch.empty_like(q), torch.empty_like(k))))
 
 
 def run(device: str, quick: bool = False) -> dict:
@@ -185,7 +189,8 @@ def run(device: str, quick: bool = False) -> dict:
     ho = _host_overhead_us(device)
     out["host_overhead"] = ho
     print(f"\nhost overhead, one eager mmfuse.mrope call on tiny inputs: {ho['mrope_us']:.1f} us "
-          f"(torch.add: {ho['torch_add_us']:.1f} us)")
+          f"(through torch.ops: {ho['torch_ops_us']:.1f} us; torch.add: {ho['torch_add_us']:.1f} us; "
+          f"two empty_like: {ho['empty_like_us']:.1f} us)")
     out["all_verified"] = all(not r.verified.startswith("FAIL") for r in rows)
     for key, s in out.items():
         if isinstance(s, dict) and "fwd_gbs" in s:
