@@ -68,10 +68,7 @@ MMFUSE_API void vision_rope(const TensorView& q, const TensorView& k, const Tens
 MMFUSE_API int rope_axis(const RopeParams& params, int j);
 
 // Rows (token, head) one CUDA thread stages in shared memory at once, at most.
-#ifndef MMFUSE_ROPE_MAX_ROWS
-#define MMFUSE_ROPE_MAX_ROWS 8
-#endif
-constexpr int kRopeMaxRowsInFlight = MMFUSE_ROPE_MAX_ROWS;
+constexpr int kRopeMaxRowsInFlight = 8;
 
 // Launch shape of the CUDA kernel (pure host function, unit-tested on the host).
 struct RopeLaunch {

@@ -24,12 +24,15 @@ _is_compiling = torch.compiler.is_compiling
 _tf_mode = torch._C._is_torch_function_mode_enabled
 
 
-def _direct(*tensors) -> bool:
+def _plain(t) -> bool:
+    return t is None or type(t) is Tensor
+
+
+def _direct(q, k, cos, sin, positions, inv_freq) -> bool:
     """Eager call on plain tensors with no torch-function mode: the C++ entry point (same op, less
     argument parsing) is safe. Under torch.compile and for tensor subclasses, torch.ops is used."""
-    if _fast_mrope is None or _is_compiling() or _tf_mode():
-        return False
-    return all(t is None or type(t) is Tensor for t in tensors)
+    return (_fast_mrope is not None and type(q) is Tensor and type(k) is Tensor and _plain(cos) and _plain(sin)
+            and _plain(positions) and _plain(inv_freq) and not _tf_mode() and not _is_compiling())
 
 
 def mrope(

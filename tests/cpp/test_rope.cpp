@@ -306,21 +306,22 @@ TEST(RopeHost, LaunchShape) {
   RopeLaunch s = rope_launch_shape(16384, 32, 128, 2, 8);  // Qwen2.5-VL-7B, bf16, B4 L4096
   EXPECT_EQ(s.vec, 4);  // 8-byte slots
   EXPECT_EQ(s.chunks, 16);
-  EXPECT_EQ(s.tokens_per_block, 8);
-  EXPECT_EQ(s.threads, 128);
-  EXPECT_EQ(s.blocks, 2048);
+  EXPECT_EQ(s.tokens_per_block, 16);
+  EXPECT_EQ(s.threads, 256);
+  EXPECT_EQ(s.blocks, 1024);
   EXPECT_EQ(s.rows_in_flight, kRopeMaxRowsInFlight);
   EXPECT_EQ(s.heads_per_group, kRopeMaxRowsInFlight);  // all of a thread's rows in flight at once
   EXPECT_EQ(s.head_groups, (32 + kRopeMaxRowsInFlight - 1) / kRopeMaxRowsInFlight);
   s = rope_launch_shape(16384, 32, 80, 2, 8);  // vision: 10 vectors a half head, 16 + 16 heads
   EXPECT_EQ(s.vec, 4);
   EXPECT_EQ(s.chunks, 10);
-  EXPECT_EQ(s.threads, 120);
+  EXPECT_EQ(s.threads, 320);  // 32 tokens: whole warps
   EXPECT_EQ(rope_launch_shape(100, 8, 128, 4, 8).vec, 2);  // fp32
   EXPECT_EQ(rope_launch_shape(100, 8, 128, 2, 2).vec, 2);  // 4-byte aligned strides only
   s = rope_launch_shape(100, 7, 72, 2, 8);  // 36 half-channels: 8-byte accesses; 7 heads
   EXPECT_EQ(s.vec, 4);
   EXPECT_EQ(s.chunks, 9);
+  EXPECT_EQ(s.threads, 288);
   EXPECT_EQ(s.heads_per_group, std::min(7, kRopeMaxRowsInFlight));
   s = rope_launch_shape(100, 8, 128, 2, 1);  // misaligned strides: scalar accesses
   EXPECT_EQ(s.vec, 1);
