@@ -2,9 +2,10 @@
 // layouts, both numerics modes, forward and adjoint) and vision RoPE (per-token angles).
 //
 // A thread owns one token (t = b*L + l), one vector of `vec` half-channels and one group of heads:
-// it computes (or reads from the table) the cos/sin of its channels once, keeps the four
-// coefficients in registers, and streams its heads' rows of q and k with 16-byte accesses, several
-// rows in flight. No shared memory, no barrier: every thread is an independent stream.
+// it stages all of its group's rows of q and k into its own shared-memory slots with asynchronous
+// copies, computes (or reads from the table) the cos/sin of its channels once while they fly, keeps
+// the coefficients in registers, then rotates each row and stores it. No barrier: every thread is an
+// independent stream; the bytes in flight are bounded by shared memory, not registers.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -134,7 +135,7 @@ __device__ __forceinline__ void stage_wait() {
 // coefficients of its channels once (registers), then moves its group's (token, head) rows of q
 // and k: all of them (up to rows_in_flight) are staged at once into the thread's own slots of
 // shared memory with asynchronous copies, so many bytes are in flight without holding registers;
-// then each row is rotated from shared memory and stored with 16-byte stores. The slots are private
+// then each row is rotated from shared memory and stored with vector stores. The slots are private
 // to the thread ([slot][thread], conflict-free), so there is no barrier.
 // Grid: x = token blocks, y = head groups (uniform per block, so the q/k choice never diverges).
 // kSym: the angle source gives one cos/sin per half-channel pair (positions, freqs), so P2 == P1
@@ -180,7 +181,7 @@ __global__ void __launch_bounds__(512) rope_kernel(const RopeArgs a) {
   };
   issue(hd0);
 
-  C k[kSym ? 2 : 4][VEC];  // P1, Q1, P2, Q2
+  C coef[kSym ? 2 : 4][VEC];  // P1, Q1, P2, Q2
   if (!kSym && a.table_vec) {  // one vector load per table row (values already in T: no rounding)
     const int axis = axis_of(a.params, j0);
     const int64_t oc = axis * a.cs[0] + b * a.cs[1] + l * a.cs[2] + j0;
@@ -192,18 +193,18 @@ __global__ void __launch_bounds__(512) rope_kernel(const RopeArgs a) {
     const C sign = a.params.backward ? C(-1) : C(1);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-      k[0][e] = cuda::dload(c1.v[e]);
-      k[kP2][e] = cuda::dload(c2.v[e]);
+      coef[0][e] = cuda::dload(c1.v[e]);
+      coef[kP2][e] = cuda::dload(c2.v[e]);
       // forward: Q1 = s1, Q2 = s2; adjoint: Q1 = -s2, Q2 = -s1 (negation is exact)
-      k[1][e] = sign * cuda::dload(a.params.backward ? s2.v[e] : s1.v[e]);
-      k[kQ2][e] = sign * cuda::dload(a.params.backward ? s1.v[e] : s2.v[e]);
+      coef[1][e] = sign * cuda::dload(a.params.backward ? s2.v[e] : s1.v[e]);
+      coef[kQ2][e] = sign * cuda::dload(a.params.backward ? s1.v[e] : s2.v[e]);
     }
   } else {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       C p1, q1, p2, q2;
       coefficients<T, C>(a, b, l, j0 + e, p1, q1, p2, q2);
-      k[0][e] = p1, k[1][e] = q1, k[kP2][e] = p2, k[kQ2][e] = q2;
+      coef[0][e] = p1, coef[1][e] = q1, coef[kP2][e] = p2, coef[kQ2][e] = q2;
     }
   }
 
@@ -219,7 +220,7 @@ __global__ void __launch_bounds__(512) rope_kernel(const RopeArgs a) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         const C x1 = cuda::dload(lo.v[e]), x2 = cuda::dload(hi.v[e]);
-        const C p1 = k[0][e], q1 = k[1][e], p2 = k[kP2][e], q2 = k[kQ2][e];
+        const C p1 = coef[0][e], q1 = coef[1][e], p2 = coef[kP2][e], q2 = coef[kQ2][e];
         C y1, y2;
         if (eager) {
           y1 = cuda::sub_rn(cuda::dround<T>(cuda::mul_rn(x1, p1)), cuda::dround<T>(cuda::mul_rn(x2, q1)));
