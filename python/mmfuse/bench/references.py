@@ -97,3 +97,67 @@ def vision_freqs(N, D, device):
     rows = torch.randint(0, 64, (N,), device=device).float()
     cols = torch.randint(0, 64, (N,), device=device).float()
     return torch.cat([rows[:, None] * inv, cols[:, None] * inv], dim=-1)
+
+
+# ---- rope_index (SEMANTICS.md section 3), modes "qwen" and "hf4": a direct reading of the contract ----
+
+def rope_index_reference(mode, input_ids, attention_mask, image_grid_thw, video_grid_thw, second_per_grid_ts,
+                         spatial_merge_size, image_token_id, video_token_id, vision_start_token_id,
+                         tokens_per_second):
+    """Positions [3, B, L] int64 and deltas [B, 1] int64 of ``rope_index`` in mode ``qwen`` or ``hf4``,
+    written from the contract (host loops; an oracle, not an implementation)."""
+    assert mode in ("qwen", "hf4")
+    B, L = input_ids.shape
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    pos = torch.ones(3, B, L, dtype=torch.long)
+    deltas = torch.zeros(B, 1, dtype=torch.long)
+    n_img = n_vid = 0
+    m = spatial_merge_size
+    for b in range(B):
+        keep = mask[b] == 1
+        toks = input_ids[b][keep].tolist()
+        # spans: a vision start followed by an image / video token, in order of that token
+        spans = [(i + 1, toks[i + 1]) for i in range(len(toks) - 1)
+                 if toks[i] == vision_start_token_id and toks[i + 1] in (image_token_id, video_token_id)]
+        out = [[], [], []]
+        nxt = 0  # one past the maximum position so far
+        st = 0
+        for first, kind in spans:
+            if first < st:
+                continue
+            if kind == image_token_id:
+                t, h, w = (int(v) for v in image_grid_thw[n_img])
+                sec = None
+                n_img += 1
+            else:
+                t, h, w = (int(v) for v in video_grid_thw[n_vid])
+                sec = 1.0 if second_per_grid_ts is None else float(second_per_grid_ts[n_vid])
+                n_vid += 1
+            hm, wm = h // m, w // m
+            n = first - st
+            for a in range(3):
+                out[a] += [nxt + i for i in range(n)]
+            base = nxt + n
+            frames = torch.arange(t, dtype=torch.float32)
+            if sec is None:
+                tt = [0] * t
+            elif mode == "qwen":
+                tt = ((frames * torch.tensor(sec, dtype=torch.float32)) * tokens_per_second).long().tolist()
+            else:
+                tt = [i * int(sec) * tokens_per_second for i in range(t)]
+            for fi in range(t):
+                for r in range(hm):
+                    for c in range(wm):
+                        out[0].append(base + tt[fi])
+                        out[1].append(base + r)
+                        out[2].append(base + c)
+            nxt = max(max(o) for o in out) + 1
+            st = first + t * hm * wm
+        n = len(toks) - st
+        for a in range(3):
+            out[a] += [nxt + i for i in range(n)]
+        if toks:
+            row = torch.tensor(out, dtype=torch.long)
+            pos[:, b, keep] = row
+            deltas[b, 0] = int(row.max()) + 1 - L
+    return pos, deltas

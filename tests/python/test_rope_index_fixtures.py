@@ -1,0 +1,46 @@
+"""The golden fixtures of rope_index (modes qwen and hf4, produced by transformers 4.49 / 4.57 with
+tools/make_rope_index_fixtures.py) against the contract's reference in mmfuse.bench.references:
+this pins down the contract that the op (issue 3) is tested against."""
+
+import os
+
+import pytest
+import torch
+
+from mmfuse.bench.references import rope_index_reference
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
+
+
+@pytest.mark.parametrize("mode,release", [("qwen", "4.49"), ("hf4", "4.57")])
+def test_reference_matches_release_fixtures(mode, release):
+    fx = torch.load(os.path.join(FIXTURES, f"rope_index_{mode}.pt"), weights_only=False)
+    assert fx["mode"] == mode and fx["transformers"].startswith(release)
+    ids = fx["ids"]
+    for i, c in enumerate(fx["cases"]):
+        pos, delta = rope_index_reference(mode, c["input_ids"], c["attention_mask"], c["image_grid_thw"],
+                                          c["video_grid_thw"], c["second_per_grid_ts"], fx["spatial_merge_size"],
+                                          ids["image_token_id"], ids["video_token_id"],
+                                          ids["vision_start_token_id"], fx["tokens_per_second"])
+        assert torch.equal(pos, c["position_ids"].long()), f"case {i}: positions"
+        assert torch.equal(delta, c["deltas"]), f"case {i}: deltas"
+
+
+def test_fixtures_tell_the_modes_apart():
+    q = torch.load(os.path.join(FIXTURES, "rope_index_qwen.pt"), weights_only=False)
+    h = torch.load(os.path.join(FIXTURES, "rope_index_hf4.pt"), weights_only=False)
+    differ = sum(not torch.equal(a["position_ids"], b["position_ids"]) for a, b in zip(q["cases"], h["cases"]))
+    assert differ > 0  # fractional second_per_grid_ts: qwen multiplies in fp32, hf4 truncates first
+
+
+def test_hand_worked_case():
+    # [text, text, <vs>, img x 4 (grid 1x4x4, merge 2 -> 2x2), <ve>, text], left padding of 1
+    V, I, E = 9, 7, 8
+    ids = torch.tensor([[0, 5, 5, V, I, I, I, I, E, 5]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1, 1]])
+    pos, delta = rope_index_reference("qwen", ids, mask, torch.tensor([[1, 4, 4]]), None, None, 2, I, 6, V, 2)
+    # text 0, 1, vs 2; image at base 3: t 3,3,3,3  h 3,3,4,4  w 3,4,3,4; then ve 5, text 6 (max 4 + 1)
+    assert pos[:, 0].tolist() == [[1, 0, 1, 2, 3, 3, 3, 3, 5, 6],
+                                  [1, 0, 1, 2, 3, 3, 4, 4, 5, 6],
+                                  [1, 0, 1, 2, 3, 4, 3, 4, 5, 6]]
+    assert delta.tolist() == [[6 + 1 - 10]]
