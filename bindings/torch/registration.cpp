@@ -24,3 +24,14 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.def("vision_rope(Tensor q, Tensor k, Tensor freqs) -> (Tensor, Tensor)");
   m.def("vision_rope_backward(Tensor grad_q, Tensor grad_k, Tensor freqs) -> (Tensor, Tensor)");
 }
+
+// Position preprocessing (python/mmfuse/positions.py). mode: "qwen" (transformers 4.49-4.51) or
+// "hf4" (4.52-4.57). Outputs: position_ids [3, B, L] int64, deltas [B, 1] int64.
+TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
+  m.set_python_module("mmfuse.positions");
+  m.def(
+      "rope_index(Tensor input_ids, Tensor? image_grid_thw=None, Tensor? video_grid_thw=None, "
+      "Tensor? second_per_grid_ts=None, Tensor? attention_mask=None, int spatial_merge_size=2, "
+      "int image_token_id=151655, int video_token_id=151656, int vision_start_token_id=151652, "
+      "float tokens_per_second=2.0, str mode=\"qwen\") -> (Tensor, Tensor)");
+}

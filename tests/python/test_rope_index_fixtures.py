@@ -44,3 +44,49 @@ def test_hand_worked_case():
                                   [1, 0, 1, 2, 3, 3, 4, 4, 5, 6],
                                   [1, 0, 1, 2, 3, 4, 3, 4, 5, 6]]
     assert delta.tolist() == [[6 + 1 - 10]]
+
+
+@pytest.mark.parametrize("mode", ["qwen", "hf4"])
+def test_op_matches_release_fixtures(mode):
+    import mmfuse
+
+    fx = torch.load(os.path.join(FIXTURES, f"rope_index_{mode}.pt"), weights_only=False)
+    ids = fx["ids"]
+    for i, c in enumerate(fx["cases"]):
+        pos, delta = mmfuse.rope_index(c["input_ids"], c["image_grid_thw"], c["video_grid_thw"],
+                                       c["second_per_grid_ts"], c["attention_mask"],
+                                       spatial_merge_size=fx["spatial_merge_size"],
+                                       image_token_id=ids["image_token_id"], video_token_id=ids["video_token_id"],
+                                       vision_start_token_id=ids["vision_start_token_id"],
+                                       tokens_per_second=fx["tokens_per_second"], mode=mode)
+        assert torch.equal(pos, c["position_ids"].long()), f"case {i}: positions"
+        assert torch.equal(delta, c["deltas"]), f"case {i}: deltas"
+
+
+def test_op_opcheck_and_compile():
+    import mmfuse
+
+    fx = torch.load(os.path.join(FIXTURES, "rope_index_qwen.pt"), weights_only=False)
+    c = next(c for c in fx["cases"] if c["video_grid_thw"] is not None and c["image_grid_thw"] is not None)
+    ids = fx["ids"]
+    args = (c["input_ids"], c["image_grid_thw"], c["video_grid_thw"], c["second_per_grid_ts"], c["attention_mask"],
+            2, ids["image_token_id"], ids["video_token_id"], ids["vision_start_token_id"], 2.0, "qwen")
+    torch.library.opcheck(torch.ops.mmfuse.rope_index.default, args)
+    f = torch.compile(lambda *a: mmfuse.rope_index(*a[:5], image_token_id=ids["image_token_id"],
+                                                   video_token_id=ids["video_token_id"],
+                                                   vision_start_token_id=ids["vision_start_token_id"]),
+                      fullgraph=True)
+    pos, delta = f(*args[:5])
+    assert torch.equal(pos, c["position_ids"].long()) and torch.equal(delta, c["deltas"])
+
+
+def test_op_bad_input_raises_value_error():
+    import mmfuse
+
+    ids = torch.tensor([[5, 151652, 151655, 5]])
+    with pytest.raises(ValueError, match="more image spans than image_grid_thw rows"):
+        mmfuse.rope_index(ids, torch.zeros(0, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="divisible by spatial_merge_size 2"):
+        mmfuse.rope_index(ids, torch.tensor([[1, 3, 2]]))
+    with pytest.raises(ValueError, match="mode"):
+        mmfuse.rope_index(ids, torch.tensor([[1, 2, 2]]), mode="hf9")
