@@ -1,6 +1,8 @@
 // Position-preprocessing entry points: validate the views, then call the backend.
 #include "mmfuse/positions.h"
 
+#include <algorithm>
+
 namespace mmfuse {
 namespace {
 
@@ -57,6 +59,92 @@ void rope_index(const TensorView& ids, const TensorView& mask, const TensorView&
   MMFUSE_CHECK(dev.type == DeviceType::kCPU, op, ": the CUDA backend of rope_index is not built yet; "
                                                  "pass CPU tensors (got ", device_name(dev), ")");
   detail::rope_index_cpu(ids, mask, img, vid, sec, p, pos, deltas);
+}
+
+namespace {
+
+struct Grid {
+  int64_t t, hm, wm;
+};
+
+int window_side(int m, int window_size, int patch_size) {
+  const char* op = "window_index";
+  MMFUSE_CHECK(m >= 1, op, ": spatial_merge_size: expected >= 1, got ", m);
+  MMFUSE_CHECK(patch_size >= 1, op, ": patch_size: expected >= 1, got ", patch_size);
+  const int ws = window_size / m / patch_size;
+  MMFUSE_CHECK(ws >= 1, op, ": window_size / spatial_merge_size / patch_size: expected >= 1, got ", window_size, " / ",
+               m, " / ", patch_size);
+  return ws;
+}
+
+Grid grid_at(const TensorView& g, int64_t i, int m) {
+  auto at = [&](int j) {
+    const int64_t off = i * g.stride[0] + j * g.stride[1];
+    return g.dtype == DType::kInt32 ? int64_t(static_cast<const int32_t*>(g.data)[off])
+                                    : static_cast<const int64_t*>(g.data)[off];
+  };
+  const int64_t t = at(0), h = at(1), w = at(2);
+  MMFUSE_CHECK(t >= 1 && h >= 1 && w >= 1 && h % m == 0 && w % m == 0, "window_index: grid_thw[", i, "] = (", t,
+               ", ", h, ", ", w, "): expected positive t, h, w with h and w divisible by spatial_merge_size ", m);
+  return {t, h / m, w / m};
+}
+
+void check_grid(const TensorView& g) {
+  const char* op = "window_index";
+  MMFUSE_CHECK(g.defined(), op, ": grid_thw is missing");
+  MMFUSE_CHECK(is_index(g.dtype), op, ": grid_thw: expected dtype int32 or int64, got ", dtype_name(g.dtype));
+  MMFUSE_CHECK(g.ndim == 2 && g.shape[1] == 3, op, ": grid_thw: expected shape [n, 3], got ", shape_str(g));
+  MMFUSE_CHECK(g.device.type == DeviceType::kCPU, op,
+               ": grid_thw: expected a CPU tensor (output sizes are computed on the host), got ",
+               device_name(g.device));
+}
+
+}  // namespace
+
+WindowIndexSizes window_index_sizes(const TensorView& g, int m, int window_size, int patch_size) {
+  check_grid(g);
+  const int ws = window_side(m, window_size, patch_size);
+  WindowIndexSizes s{0, 0};
+  for (int64_t i = 0; i < g.shape[0]; ++i) {
+    const Grid q = grid_at(g, i, m);
+    s.tokens += q.t * q.hm * q.wm;
+    s.windows += q.t * ((q.hm + ws - 1) / ws) * ((q.wm + ws - 1) / ws);
+  }
+  return s;
+}
+
+void window_index(const TensorView& g, int m, int window_size, int patch_size, TensorView& idx, TensorView& cu,
+                  cudaStream_t stream) {
+  const char* op = "window_index";
+  (void)stream;
+  const WindowIndexSizes s = window_index_sizes(g, m, window_size, patch_size);
+  const int ws = window_side(m, window_size, patch_size);
+  MMFUSE_CHECK(idx.dtype == DType::kInt64 && idx.ndim == 1 && idx.shape[0] == s.tokens, op,
+               ": window_index: expected int64 [", s.tokens, "], got ", dtype_name(idx.dtype), " ", shape_str(idx));
+  MMFUSE_CHECK(cu.dtype == DType::kInt32 && cu.ndim == 1 && cu.shape[0] == s.windows + 1, op,
+               ": cu_window_seqlens: expected int32 [", s.windows + 1, "], got ", dtype_name(cu.dtype), " ",
+               shape_str(cu));
+  MMFUSE_CHECK(idx.device.type == DeviceType::kCPU && cu.device.type == DeviceType::kCPU, op,
+               ": the CUDA backend of window_index is not built yet; outputs must be CPU tensors");
+  MMFUSE_CHECK(s.tokens * m * m < (int64_t(1) << 31), op, ": ", s.tokens * m * m,
+               " patches overflow the int32 cu_window_seqlens");
+  int64_t* out = static_cast<int64_t*>(idx.data);
+  int32_t* c = static_cast<int32_t*>(cu.data);
+  int64_t k = 0, w = 0, offset = 0, total = 0;
+  c[0] = 0;
+  for (int64_t i = 0; i < g.shape[0]; ++i) {
+    const Grid q = grid_at(g, i, m);
+    for (int64_t f = 0; f < q.t; ++f)
+      for (int64_t r0 = 0; r0 < q.hm; r0 += ws)
+        for (int64_t c0 = 0; c0 < q.wm; c0 += ws) {
+          const int64_t r1 = std::min(r0 + ws, q.hm), c1 = std::min(c0 + ws, q.wm);
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t cc = c0; cc < c1; ++cc) out[k++ * idx.stride[0]] = offset + (f * q.hm + r) * q.wm + cc;
+          total += (r1 - r0) * (c1 - c0) * m * m;
+          c[++w * cu.stride[0]] = int32_t(total);
+        }
+    offset += q.t * q.hm * q.wm;
+  }
 }
 
 }  // namespace mmfuse

@@ -45,8 +45,29 @@ std::tuple<Tensor, Tensor> rope_index_impl(const Tensor& input_ids, const OptTen
   return {pos, deltas};
 }
 
+std::tuple<Tensor, Tensor> window_index_impl(const Tensor& grid_thw, int64_t spatial_merge_size, int64_t window_size,
+                                             int64_t patch_size) {
+  for (int64_t v : {spatial_merge_size, window_size, patch_size})
+    TORCH_CHECK_VALUE(v >= 1 && v < (1 << 20), "mmfuse.window_index: spatial_merge_size, window_size and patch_size: "
+                      "expected small positive integers, got ", spatial_merge_size, ", ", window_size, ", ", patch_size);
+  const int m = int(spatial_merge_size), ws = int(window_size), ps = int(patch_size);
+  Tensor idx, cu;
+  guarded("window_index", [&] {
+    const TensorView g = view(grid_thw, "grid_thw");
+    const WindowIndexSizes s = window_index_sizes(g, m, ws, ps);
+    idx = at::empty({s.tokens}, grid_thw.options().dtype(at::kLong));
+    cu = at::empty({s.windows + 1}, grid_thw.options().dtype(at::kInt));
+    TensorView iv = view(idx, "window_index"), cv = view(cu, "cu_window_seqlens");
+    window_index(g, m, ws, ps, iv, cv, nullptr);
+  });
+  return {idx, cu};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mmfuse, CPU, m) { m.impl("rope_index", &rope_index_impl); }
+TORCH_LIBRARY_IMPL(mmfuse, CPU, m) {
+  m.impl("rope_index", &rope_index_impl);
+  m.impl("window_index", &window_index_impl);
+}
 
 }  // namespace mmfuse::torch_bind

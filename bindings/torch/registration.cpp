@@ -34,4 +34,7 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
       "Tensor? second_per_grid_ts=None, Tensor? attention_mask=None, int spatial_merge_size=2, "
       "int image_token_id=151655, int video_token_id=151656, int vision_start_token_id=151652, "
       "float tokens_per_second=2.0, str mode=\"qwen\") -> (Tensor, Tensor)");
+  // window_index: the ViT window order and cu_window_seqlens (SEMANTICS.md section 4); grid_thw on
+  // the CPU (the output sizes are computed from it on the host).
+  m.def("window_index(Tensor grid_thw, int spatial_merge_size=2, int window_size=112, int patch_size=14) -> (Tensor, Tensor)");
 }

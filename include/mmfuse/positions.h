@@ -33,6 +33,24 @@ MMFUSE_API void rope_index(const TensorView& input_ids, const TensorView& attent
                            const TensorView& second_per_grid_ts, const RopeIndexParams& params,
                            TensorView& position_ids, TensorView& deltas, cudaStream_t stream);
 
+// Window order of the ViT's window attention (SEMANTICS.md section 4). Per grid (t, h, w) in
+// patches, the merged grid h/m x w/m is tiled in ws x ws windows (ws = window_size / m / patch_size;
+// the last row / column of windows may be partial), listed frame by frame, window-row-major, merged
+// tokens row-major inside a window. window_index lists merged-token indices (grids offset by their
+// running token count) in that order; cu_window_seqlens is the running sum of each window's patch
+// count (valid_h * valid_w * m^2) from 0, with no zero-length window. Sizes are pure functions of the
+// grids: window_index_sizes gives them from a host copy of grid_thw.
+struct WindowIndexSizes {
+  int64_t tokens;   // merged tokens: sum t * (h/m) * (w/m)
+  int64_t windows;  // windows with at least one token
+};
+MMFUSE_API WindowIndexSizes window_index_sizes(const TensorView& grid_thw, int spatial_merge_size, int window_size,
+                                               int patch_size);
+// grid_thw [n, 3] int32 / int64 on the CPU; window_index [tokens] int64, cu_window_seqlens
+// [windows + 1] int32, CPU views (the CUDA backend is to follow).
+MMFUSE_API void window_index(const TensorView& grid_thw, int spatial_merge_size, int window_size, int patch_size,
+                             TensorView& window_index, TensorView& cu_window_seqlens, cudaStream_t stream);
+
 namespace detail {
 void rope_index_cpu(const TensorView& input_ids, const TensorView& attention_mask, const TensorView& image_grid_thw,
                     const TensorView& video_grid_thw, const TensorView& second_per_grid_ts,

@@ -11,6 +11,7 @@ from . import _lib  # noqa: F401  (registers the ops)
 
 Tensor = torch.Tensor
 _rope_index = torch.ops.mmfuse.rope_index.default
+_window_index = torch.ops.mmfuse.window_index.default
 
 
 def rope_index(
@@ -63,3 +64,31 @@ def _rope_index_fake(input_ids, image_grid_thw=None, video_grid_thw=None, second
                      vision_start_token_id=151652, tokens_per_second=2.0, mode="qwen"):
     B, L = input_ids.shape
     return input_ids.new_empty((3, B, L), dtype=torch.long), input_ids.new_empty((B, 1), dtype=torch.long)
+
+
+def window_index(grid_thw: Tensor, spatial_merge_size: int = 2, window_size: int = 112,
+                 patch_size: int = 14) -> Tuple[Tensor, Tensor]:
+    """Window order of the Qwen2.5-VL vision tower's window attention (HF ``get_window_index``).
+
+    Per grid ``(t, h, w)`` (patches), the merged grid ``h/m x w/m`` is tiled in ``ws x ws`` windows,
+    ``ws = window_size // m // patch_size`` (4 for Qwen2.5-VL), the last row / column partial;
+    windows are listed frame by frame, window-row-major; inside a window, merged tokens row-major.
+
+    Args:
+        grid_thw: ``[n, 3]`` int64 / int32 on the CPU, as the processor produces it (the output
+            sizes are computed from it on the host; no device sync). h and w divisible by m.
+
+    Returns:
+        ``(window_index [sum t*(h/m)*(w/m)] int64, cu_window_seqlens [windows + 1] int32)``: merged-token
+        indices (grids offset by their running token count) in window order, and the running patch
+        count of the windows, from 0, with no zero-length window (equal to HF after its
+        ``unique_consecutive``). CPU tensors for now (CUDA outputs to follow).
+    """
+    return _window_index(grid_thw, spatial_merge_size, window_size, patch_size)
+
+
+@torch.library.register_fake("mmfuse::window_index")
+def _window_index_fake(grid_thw, spatial_merge_size=2, window_size=112, patch_size=14):
+    ctx = torch.library.get_ctx()
+    return grid_thw.new_empty((ctx.new_dynamic_size(),), dtype=torch.long), \
+        grid_thw.new_empty((ctx.new_dynamic_size(),), dtype=torch.int32)

@@ -95,3 +95,27 @@ TEST(RopeIndexCpu, BadInputNamesTheProblem) {
   expect_error([] { run({V, I, I, 5, 5}, {}, 1, {1, 2, 6}, {}, {}); }, "token 3 is not an image token");
   expect_error([] { run({V, W, 5}, {}, 1, {}, {1, 2, 2}, {1.0f, 2.0f}); }, "second_per_grid_ts: expected shape [1]");
 }
+
+TEST(WindowIndexCpu, HandWorkedPartialAndExactWindows) {
+  // grid A: 1 x (6/2=3) x (10/2=5) merged, ws = 112/2/14 = 4 -> windows 1 x 2 (partial col, rows);
+  // grid B: 2 frames x (8/2=4) x (8/2=4): exactly one window a frame (HF's empty pad windows removed)
+  std::vector<int64_t> g = {1, 6, 10, 2, 8, 8};
+  const Device cpu{DeviceType::kCPU, 0};
+  int64_t sg[2] = {2, 3};
+  TensorView gv = make_contiguous_view(g.data(), DType::kInt64, cpu, 2, sg);
+  const WindowIndexSizes s = window_index_sizes(gv, 2, 112, 14);
+  EXPECT_EQ(s.tokens, 15 + 32);
+  EXPECT_EQ(s.windows, 2 + 2);
+  std::vector<int64_t> idx(s.tokens, -99);
+  std::vector<int32_t> cu(s.windows + 1, -99);
+  int64_t si[1] = {s.tokens}, sc[1] = {s.windows + 1};
+  TensorView iv = make_contiguous_view(idx.data(), DType::kInt64, cpu, 1, si);
+  TensorView cv = make_contiguous_view(cu.data(), DType::kInt32, cpu, 1, sc);
+  window_index(gv, 2, 112, 14, iv, cv, nullptr);
+  // grid A (3 x 5, row-major ids 0..14): window (0,0) rows 0-2 cols 0-3; (0,1) rows 0-2 col 4
+  std::vector<int64_t> a = {0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13, 4, 9, 14};
+  EXPECT_EQ(std::vector<int64_t>(idx.begin(), idx.begin() + 15), a);
+  for (int64_t i = 15; i < 47; ++i) EXPECT_EQ(idx[i], i);  // grid B: one window a frame, in order
+  // patches a window: A (0,0) 3 x 4 merged = 48, A (0,1) 3 x 1 = 12; B 16 merged = 64 a frame
+  EXPECT_EQ(cu, (std::vector<int32_t>{0, 48, 60, 124, 188}));
+}

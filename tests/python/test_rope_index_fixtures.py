@@ -90,3 +90,42 @@ def test_op_bad_input_raises_value_error():
         mmfuse.rope_index(ids, torch.tensor([[1, 3, 2]]))
     with pytest.raises(ValueError, match="mode"):
         mmfuse.rope_index(ids, torch.tensor([[1, 2, 2]]), mode="hf9")
+
+
+def _hf_window_index():
+    try:
+        from transformers.vision_utils import get_vision_window_index
+    except ImportError:
+        return None
+    return get_vision_window_index
+
+
+@pytest.mark.skipif(_hf_window_index() is None, reason="needs transformers 5.x (vision_utils)")
+def test_window_index_equals_transformers():
+    import mmfuse
+
+    hf = _hf_window_index()
+    g = torch.Generator().manual_seed(5)
+    # mixed sizes: merged dims 1..13 (multiples of ws=4 included), odd widths, videos; thousands of windows
+    grids = [[1, 2 * int(torch.randint(1, 14, (1,), generator=g)), 2 * int(torch.randint(1, 14, (1,), generator=g))]
+             for _ in range(300)]
+    grids += [[3, 16, 32], [2, 8, 8], [1, 82, 242], [1, 2, 2], [4, 24, 94]]
+    grid = torch.tensor(grids)
+    idx, cu = mmfuse.window_index(grid, 2, 112, 14)
+    ref_idx, ref_cu = hf(grid, 2, 112, 14)
+    assert idx.dtype == torch.long and cu.dtype == torch.int32
+    assert torch.equal(idx, ref_idx.long()) and torch.equal(cu, ref_cu)
+    assert cu.numel() > 1000
+
+
+def test_window_index_bad_input_and_compile():
+    import mmfuse
+
+    with pytest.raises(ValueError, match="divisible by spatial_merge_size 2"):
+        mmfuse.window_index(torch.tensor([[1, 3, 4]]))
+    with pytest.raises(ValueError, match="expected shape \\[n, 3\\]"):
+        mmfuse.window_index(torch.tensor([[1, 4]]))
+    grid = torch.tensor([[1, 6, 10], [2, 8, 8]])
+    torch.library.opcheck(torch.ops.mmfuse.window_index.default, (grid, 2, 112, 14))
+    idx, cu = mmfuse.window_index(grid)
+    assert cu.tolist() == [0, 48, 60, 124, 188] and idx.numel() == 47
