@@ -1,7 +1,7 @@
 // Position-preprocessing entry points: validate the views, then call the backend.
 #include "mmfuse/positions.h"
 
-#include <algorithm>
+#include "common/dispatch.h"
 
 namespace mmfuse {
 namespace {
@@ -78,12 +78,7 @@ int window_side(int m, int window_size, int patch_size) {
 }
 
 Grid grid_at(const TensorView& g, int64_t i, int m) {
-  auto at = [&](int j) {
-    const int64_t off = i * g.stride[0] + j * g.stride[1];
-    return g.dtype == DType::kInt32 ? int64_t(static_cast<const int32_t*>(g.data)[off])
-                                    : static_cast<const int64_t*>(g.data)[off];
-  };
-  const int64_t t = at(0), h = at(1), w = at(2);
+  const int64_t t = index_at(g, i, 0), h = index_at(g, i, 1), w = index_at(g, i, 2);
   MMFUSE_CHECK(t >= 1 && h >= 1 && w >= 1 && h % m == 0 && w % m == 0, "window_index: grid_thw[", i, "] = (", t,
                ", ", h, ", ", w, "): expected positive t, h, w with h and w divisible by spatial_merge_size ", m);
   return {t, h / m, w / m};
@@ -128,23 +123,7 @@ void window_index(const TensorView& g, int m, int window_size, int patch_size, T
                ": the CUDA backend of window_index is not built yet; outputs must be CPU tensors");
   MMFUSE_CHECK(s.tokens * m * m < (int64_t(1) << 31), op, ": ", s.tokens * m * m,
                " patches overflow the int32 cu_window_seqlens");
-  int64_t* out = static_cast<int64_t*>(idx.data);
-  int32_t* c = static_cast<int32_t*>(cu.data);
-  int64_t k = 0, w = 0, offset = 0, total = 0;
-  c[0] = 0;
-  for (int64_t i = 0; i < g.shape[0]; ++i) {
-    const Grid q = grid_at(g, i, m);
-    for (int64_t f = 0; f < q.t; ++f)
-      for (int64_t r0 = 0; r0 < q.hm; r0 += ws)
-        for (int64_t c0 = 0; c0 < q.wm; c0 += ws) {
-          const int64_t r1 = std::min(r0 + ws, q.hm), c1 = std::min(c0 + ws, q.wm);
-          for (int64_t r = r0; r < r1; ++r)
-            for (int64_t cc = c0; cc < c1; ++cc) out[k++ * idx.stride[0]] = offset + (f * q.hm + r) * q.wm + cc;
-          total += (r1 - r0) * (c1 - c0) * m * m;
-          c[++w * cu.stride[0]] = int32_t(total);
-        }
-    offset += q.t * q.hm * q.wm;
-  }
+  detail::window_index_cpu(g, m, ws, idx, cu);
 }
 
 }  // namespace mmfuse

@@ -55,6 +55,9 @@ namespace detail {
 void rope_index_cpu(const TensorView& input_ids, const TensorView& attention_mask, const TensorView& image_grid_thw,
                     const TensorView& video_grid_thw, const TensorView& second_per_grid_ts,
                     const RopeIndexParams& p, TensorView& position_ids, TensorView& deltas);
+// Called after validation (grids checked, outputs sized): ws = window side in merged tokens.
+void window_index_cpu(const TensorView& grid_thw, int spatial_merge_size, int ws, TensorView& window_index,
+                      TensorView& cu_window_seqlens);
 }  // namespace detail
 
 }  // namespace mmfuse

@@ -33,4 +33,11 @@ decltype(auto) dispatch_index(DType t, const char* what, F&& f) {
   }
 }
 
+// Element (i, j) of a 2-D int32 / int64 view, widened to int64 (host views; dtype already checked).
+inline int64_t index_at(const TensorView& v, int64_t i, int64_t j) {
+  const int64_t off = i * v.stride[0] + j * v.stride[1];
+  return v.dtype == DType::kInt32 ? int64_t(static_cast<const int32_t*>(v.data)[off])
+                                  : static_cast<const int64_t*>(v.data)[off];
+}
+
 }  // namespace mmfuse

@@ -5,17 +5,12 @@
 #include <cmath>
 #include <vector>
 
+#include "common/dispatch.h"
 #include "mmfuse/positions.h"
 
 namespace mmfuse {
 namespace detail {
 namespace {
-
-int64_t at2(const TensorView& v, int64_t i, int64_t j) {
-  const int64_t off = i * v.stride[0] + j * v.stride[1];
-  return v.dtype == DType::kInt32 ? int64_t(static_cast<const int32_t*>(v.data)[off])
-                                  : static_cast<const int64_t*>(v.data)[off];
-}
 
 int64_t time_index(const RopeIndexParams& p, int64_t frame, float sec) {
   if (p.mode == RopeIndexMode::kQwen) {
@@ -45,10 +40,10 @@ void rope_index_cpu(const TensorView& ids, const TensorView& mask, const TensorV
     slot.clear();
     for (int64_t l = 0; l < L; ++l) {
       for (int a = 0; a < 3; ++a) put(a, b, l, 1);  // padding value
-      if (!mask.defined() || at2(mask, b, l) == 1) slot.push_back(l);
+      if (!mask.defined() || index_at(mask, b, l) == 1) slot.push_back(l);
     }
     const int64_t n = int64_t(slot.size());
-    auto tok = [&](int64_t i) { return at2(ids, b, slot[i]); };
+    auto tok = [&](int64_t i) { return index_at(ids, b, slot[i]); };
     int64_t st = 0, next = 0, row_max = -1;  // st: first token not placed; next: one past the max so far
     auto text = [&](int64_t from, int64_t to) {
       for (int64_t i = from; i < to; ++i) {
@@ -69,7 +64,7 @@ void rope_index_cpu(const TensorView& ids, const TensorView& mask, const TensorV
       int64_t& gi = is_img ? next_img : next_vid;
       MMFUSE_CHECK(gi < (is_img ? n_img : n_vid), op, ": more ", is_img ? "image" : "video", " spans than ",
                    is_img ? "image_grid_thw" : "video_grid_thw", " rows (", is_img ? n_img : n_vid, ")");
-      const int64_t t = at2(g, gi, 0), h = at2(g, gi, 1), w = at2(g, gi, 2);
+      const int64_t t = index_at(g, gi, 0), h = index_at(g, gi, 1), w = index_at(g, gi, 2);
       MMFUSE_CHECK(t >= 1 && h >= 1 && w >= 1 && h % m == 0 && w % m == 0, op, ": ",
                    is_img ? "image_grid_thw" : "video_grid_thw", "[", gi, "] = (", t, ", ", h, ", ", w,
                    "): expected positive t, h, w with h and w divisible by spatial_merge_size ", m);
@@ -101,6 +96,26 @@ void rope_index_cpu(const TensorView& ids, const TensorView& mask, const TensorV
     }
     text(st, n);
     D[b * deltas.stride[0]] = n == 0 ? 0 : row_max + 1 - L;
+  }
+}
+
+void window_index_cpu(const TensorView& g, int m, int ws, TensorView& idx, TensorView& cu) {
+  int64_t* out = static_cast<int64_t*>(idx.data);
+  int32_t* c = static_cast<int32_t*>(cu.data);
+  int64_t k = 0, w = 0, offset = 0, total = 0;
+  c[0] = 0;
+  for (int64_t i = 0; i < g.shape[0]; ++i) {
+    const int64_t t = index_at(g, i, 0), hm = index_at(g, i, 1) / m, wm = index_at(g, i, 2) / m;
+    for (int64_t f = 0; f < t; ++f)
+      for (int64_t r0 = 0; r0 < hm; r0 += ws)
+        for (int64_t c0 = 0; c0 < wm; c0 += ws) {
+          const int64_t r1 = std::min(r0 + ws, hm), c1 = std::min(c0 + ws, wm);
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t cc = c0; cc < c1; ++cc) out[k++ * idx.stride[0]] = offset + (f * hm + r) * wm + cc;
+          total += (r1 - r0) * (c1 - c0) * m * m;
+          c[++w * cu.stride[0]] = int32_t(total);
+        }
+    offset += t * hm * wm;
   }
 }
 
