@@ -22,5 +22,15 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         qv = torch.randn(L, 4, D, dtype=dtype, device="cuda", requires_grad=True)
         a, b = mmfuse.vision_rope(qv, qv, fr)
         (a.float().sum() + b.float().sum()).backward()
+from mmfuse.bench.references import mixed_vision_grids, multimodal_batch  # noqa: E402
+
+for mode in ("qwen", "hf4", "hf5"):
+    c = {k: (v.cuda() if v is not None else None) for k, v in multimodal_batch(3, 3000, 6, 3, seed=1).items()}
+    mmfuse.rope_index(c["input_ids"], c["image_grid_thw"], c["video_grid_thw"], c["second_per_grid_ts"],
+                      c["attention_mask"], mode=mode, mm_token_type_ids=c["mm_token_type_ids"])
+grid = mixed_vision_grids(40, seed=1)
+w = mmfuse.window_index(grid, device="cuda")
+mmfuse.vision_positions(grid.cuda())
+mmfuse.rot_pos_emb(torch.rand(10, device="cuda"), grid)
 torch.cuda.synchronize()
 print("sanitizer workload done")

@@ -25,16 +25,22 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.def("vision_rope_backward(Tensor grad_q, Tensor grad_k, Tensor freqs) -> (Tensor, Tensor)");
 }
 
-// Position preprocessing (python/mmfuse/positions.py). mode: "qwen" (transformers 4.49-4.51) or
-// "hf4" (4.52-4.57). Outputs: position_ids [3, B, L] int64, deltas [B, 1] int64.
+// Position preprocessing (python/mmfuse/positions.py). mode: "qwen" (transformers 4.49-4.51), "hf4"
+// (4.52-4.57) or "hf5" (5.x; needs mm_token_type_ids). Outputs: position_ids [3, B, L] int64, deltas
+// [B, 1] int64. Vision ops: sizes come from a host copy of grid_thw (a device grid costs one copy);
+// outputs on `device` (default: that of grid_thw / inv_freq).
 TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.set_python_module("mmfuse.positions");
   m.def(
       "rope_index(Tensor input_ids, Tensor? image_grid_thw=None, Tensor? video_grid_thw=None, "
       "Tensor? second_per_grid_ts=None, Tensor? attention_mask=None, int spatial_merge_size=2, "
       "int image_token_id=151655, int video_token_id=151656, int vision_start_token_id=151652, "
-      "float tokens_per_second=2.0, str mode=\"qwen\") -> (Tensor, Tensor)");
-  // window_index: the ViT window order and cu_window_seqlens (SEMANTICS.md section 4); grid_thw on
-  // the CPU (the output sizes are computed from it on the host).
-  m.def("window_index(Tensor grid_thw, int spatial_merge_size=2, int window_size=112, int patch_size=14) -> (Tensor, Tensor)");
+      "float tokens_per_second=2.0, str mode=\"qwen\", Tensor? mm_token_type_ids=None) -> (Tensor, Tensor)");
+  // vision_positions: (row, col) of each patch, int64 [N, 2]; rot_pos_emb: fp32 [N, 2F] angles.
+  m.def("vision_positions(Tensor grid_thw, int spatial_merge_size=2, Device? device=None) -> Tensor");
+  m.def("rot_pos_emb(Tensor inv_freq, Tensor grid_thw, int spatial_merge_size=2) -> Tensor");
+  // window_index: (window_index, cu_window_seqlens, reverse_index, cu_seqlens), SEMANTICS.md section 4.
+  m.def(
+      "window_index(Tensor grid_thw, int spatial_merge_size=2, int window_size=112, int patch_size=14, "
+      "Device? device=None) -> (Tensor, Tensor, Tensor, Tensor)");
 }

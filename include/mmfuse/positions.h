@@ -1,5 +1,10 @@
-// Multimodal position preprocessing (SEMANTICS.md sections 3 and 4): rope_index, the 3-D position
-// ids of a multimodal batch. (Vision positions and the window index are to follow in this family.)
+// Multimodal position preprocessing (SEMANTICS.md sections 3 and 4): rope_index (the 3-D position ids
+// of a multimodal batch), vision positions / rot_pos_emb and the ViT window index.
+//
+// CUDA backends: no host sync, no allocation (the caller passes a small workspace), static output
+// shapes. Bad input the host cannot see (it lives in device tensors) stops the kernel with a
+// device-side assertion after printing the problem ("mmfuse.rope_index: row 3: ..."), as PyTorch's
+// own index checks do; it never reads or writes out of bounds. CPU backends throw mmfuse::Error.
 #pragma once
 
 #include "mmfuse/common.h"
@@ -10,6 +15,7 @@ namespace mmfuse {
 enum class RopeIndexMode : int {
   kQwen = 0,  // transformers 4.49-4.51 and the Qwen team's code: T = trunc(fp32(fp32(i * sec) * tps))
   kHf4 = 1,   // transformers 4.52-4.57: sec truncated to an integer first: T = trunc(i * int(sec) * tps)
+  kHf5 = 2,   // transformers 5.x (5.3+): spans = runs of mm_token_type_ids; see SEMANTICS.md section 3
 };
 
 struct RopeIndexParams {
@@ -21,43 +27,79 @@ struct RopeIndexParams {
   float tokens_per_second = 2.0f;
 };
 
-// input_ids [B, L] int32 / int64; attention_mask [B, L] int32 / int64 (1 = valid) or absent (all
-// valid); image_grid_thw [Ni, 3] and video_grid_thw [Nv, 3] int32 / int64 (t, h, w in patches) or
-// absent; second_per_grid_ts [Nv] float32 or absent (1.0 s). Writes position_ids [3, B, L] int64 and
-// deltas [B, 1] int64. Grids are consumed in order across the whole batch.
-// Bad input (more spans than grids, a span running past its row or into the next span, h or w not
-// divisible by the merge size, a vision start as the last valid token, wrong dtypes, shapes or
-// devices) throws mmfuse::Error naming the argument. CPU views only for now.
-MMFUSE_API void rope_index(const TensorView& input_ids, const TensorView& attention_mask,
-                           const TensorView& image_grid_thw, const TensorView& video_grid_thw,
-                           const TensorView& second_per_grid_ts, const RopeIndexParams& params,
-                           TensorView& position_ids, TensorView& deltas, cudaStream_t stream);
-
-// Window order of the ViT's window attention (SEMANTICS.md section 4). Per grid (t, h, w) in
-// patches, the merged grid h/m x w/m is tiled in ws x ws windows (ws = window_size / m / patch_size;
-// the last row / column of windows may be partial), listed frame by frame, window-row-major, merged
-// tokens row-major inside a window. window_index lists merged-token indices (grids offset by their
-// running token count) in that order; cu_window_seqlens is the running sum of each window's patch
-// count (valid_h * valid_w * m^2) from 0, with no zero-length window. Sizes are pure functions of the
-// grids: window_index_sizes gives them from a host copy of grid_thw.
-struct WindowIndexSizes {
-  int64_t tokens;   // merged tokens: sum t * (h/m) * (w/m)
-  int64_t windows;  // windows with at least one token
+// input_ids [B, L] int32 / int64; attention_mask [B, L] int32 / int64 or absent (all valid; valid
+// means == 1 in qwen / hf4 and != 0 in hf5); mm_token_type_ids [B, L] int32 / int64 (0 text, 1 image,
+// 2 video), hf5 only; image_grid_thw [Ni, 3] and video_grid_thw [Nv, 3] int32 / int64 (t, h, w in
+// patches) or absent; second_per_grid_ts [Nv] float32 or absent (1.0 s). All on one device.
+struct RopeIndexInputs {
+  TensorView input_ids, attention_mask, mm_token_type_ids, image_grid_thw, video_grid_thw, second_per_grid_ts;
 };
-MMFUSE_API WindowIndexSizes window_index_sizes(const TensorView& grid_thw, int spatial_merge_size, int window_size,
-                                               int patch_size);
-// grid_thw [n, 3] int32 / int64 on the CPU; window_index [tokens] int64, cu_window_seqlens
-// [windows + 1] int32, CPU views (the CUDA backend is to follow).
-MMFUSE_API void window_index(const TensorView& grid_thw, int spatial_merge_size, int window_size, int patch_size,
-                             TensorView& window_index, TensorView& cu_window_seqlens, cudaStream_t stream);
+
+// int32 elements of the CUDA workspace of rope_index (per-row span counts); none on the CPU.
+MMFUSE_API int64_t rope_index_workspace_size(int64_t batch);
+
+// Writes position_ids [3, B, L] int64 and deltas [B, 1] int64. Grids are consumed in order across
+// the whole batch. Bad input: more spans than grids, a span running past its row or into the next
+// span (hf5: a run whose length is not its grid's token count), h or w not divisible by the merge
+// size, a vision start as the last valid token (qwen / hf4). Two launches on `stream` for CUDA views.
+MMFUSE_API void rope_index(const RopeIndexInputs& in, const RopeIndexParams& params, TensorView& position_ids,
+                           TensorView& deltas, TensorView& workspace, cudaStream_t stream);
+
+// ---- vision: patch positions, rot_pos_emb and the window index -------------------------------
+// Patches come in spatial-merge-block order: for each m x m block (block-row-major) its m*m patches
+// row-major inside the block; frames repeat the layout. Output sizes are pure functions of the grids:
+// vision_grid_sizes computes them from a host copy of grid_thw [n, 3] (int32 / int64, h and w
+// divisible by m), validating it.
+struct VisionGridSizes {
+  int64_t grids = 0;
+  int64_t frames = 0;             // sum t: segments of full attention
+  int64_t patches = 0;            // sum t*h*w
+  int64_t tokens = 0;             // merged tokens: patches / m^2
+  int64_t windows = 0;            // windows with at least one token (0 when window_side is 0)
+  int64_t max_seqlen = 0;         // max h*w
+  int64_t max_window_seqlen = 0;  // max valid_h * valid_w * m^2 over windows
+};
+// window_side: ws = window_size / m / patch_size (merged tokens a window side), 0 for no windows.
+MMFUSE_API int window_side(int spatial_merge_size, int window_size, int patch_size);
+MMFUSE_API VisionGridSizes vision_grid_sizes(const TensorView& host_grid_thw, int spatial_merge_size, int ws);
+
+// int64 elements of the CUDA workspace of vision_positions / window_index (per-grid prefix sums).
+MMFUSE_API int64_t vision_workspace_size(int64_t grids);
+
+// Patch positions and the angle table of the ViT's 2-D RoPE (HF rot_pos_emb): for patch n at (row,
+// col): positions[n] = (row, col) (int64 [N, 2], optional) and angles[n] = [row * inv_freq | col *
+// inv_freq] (fp32 [N, 2F], one fp32 multiply each; optional, needs inv_freq fp32 [F]). grid_thw on
+// the device of the outputs (for CUDA: the device copy of the grid `sizes` were computed from).
+MMFUSE_API void vision_positions(const TensorView& grid_thw, int spatial_merge_size, const VisionGridSizes& sizes,
+                                 const TensorView& inv_freq, TensorView& positions, TensorView& angles,
+                                 TensorView& workspace, cudaStream_t stream);
+
+// Window order of the ViT's window attention (SEMANTICS.md section 4). Per grid (t, h, w), the merged
+// grid h/m x w/m is tiled in ws x ws windows (the last row / column may be partial), listed frame by
+// frame, window-row-major, merged tokens row-major inside a window. window_index [tokens] int64 lists
+// merged-token indices (grids offset by their running token count) in that order; reverse_index
+// [tokens] int64 (optional) is its inverse (a scatter); cu_window_seqlens [windows + 1] int32 is the
+// running patch count of the windows from 0; cu_seqlens [frames + 1] int32 (optional) that of the
+// frames (full-attention blocks).
+MMFUSE_API void window_index(const TensorView& grid_thw, int spatial_merge_size, int ws, const VisionGridSizes& sizes,
+                             TensorView& window_index, TensorView& reverse_index, TensorView& cu_window_seqlens,
+                             TensorView& cu_seqlens, TensorView& workspace, cudaStream_t stream);
 
 namespace detail {
-void rope_index_cpu(const TensorView& input_ids, const TensorView& attention_mask, const TensorView& image_grid_thw,
-                    const TensorView& video_grid_thw, const TensorView& second_per_grid_ts,
-                    const RopeIndexParams& p, TensorView& position_ids, TensorView& deltas);
-// Called after validation (grids checked, outputs sized): ws = window side in merged tokens.
-void window_index_cpu(const TensorView& grid_thw, int spatial_merge_size, int ws, TensorView& window_index,
-                      TensorView& cu_window_seqlens);
+void rope_index_cpu(const RopeIndexInputs& in, const RopeIndexParams& p, TensorView& position_ids,
+                    TensorView& deltas);
+void rope_index_cuda(const RopeIndexInputs& in, const RopeIndexParams& p, TensorView& position_ids,
+                     TensorView& deltas, TensorView& workspace, cudaStream_t stream);
+// Called after validation (grids checked on the host for the CPU, outputs sized).
+void vision_positions_cpu(const TensorView& grid, int m, const TensorView& inv_freq, TensorView& positions,
+                          TensorView& angles);
+void window_index_cpu(const TensorView& grid, int m, int ws, TensorView& window_index, TensorView& reverse_index,
+                      TensorView& cu_window_seqlens, TensorView& cu_seqlens);
+void vision_positions_cuda(const TensorView& grid, int m, const VisionGridSizes& s, const TensorView& inv_freq,
+                           TensorView& positions, TensorView& angles, TensorView& workspace, cudaStream_t stream);
+void window_index_cuda(const TensorView& grid, int m, int ws, const VisionGridSizes& s, TensorView& window_index,
+                       TensorView& reverse_index, TensorView& cu_window_seqlens, TensorView& cu_seqlens,
+                       TensorView& workspace, cudaStream_t stream);
 }  // namespace detail
 
 }  // namespace mmfuse

@@ -7,6 +7,7 @@ from typing import Sequence, Union
 import torch
 
 from . import _lib  # noqa: F401
+from . import positions as _positions
 
 Tensor = torch.Tensor
 
@@ -66,3 +67,35 @@ def rope_bwd(grad_q_out: Tensor, grad_k_out: Tensor, q: Tensor, k: Tensor, cos: 
     """
     del q, k
     _apply(grad_q_out, grad_k_out, cos, sin, grad_q, grad_k, mrope_section_doubled, backward=True)
+
+
+def get_rope_index(input_ids: Tensor, image_grid_thw, video_grid_thw, second_per_grid_ts, attention_mask,
+                   spatial_merge_size: int, image_token_id: int, video_token_id: int, vision_start_token_id: int,
+                   tokens_per_second: float):
+    """Seed ``get_rope_index``: :func:`mmfuse.rope_index` in mode ``"qwen"`` (the Qwen team's and
+    transformers 4.49-4.51's results) with the seed's positional signature. Exact integer math (the
+    seed's float-reciprocal division, padding shift and 64-span cap are gone); returns
+    ``(position_ids [3, B, L] int64, deltas [B, 1] int64)``."""
+    return _positions.rope_index(input_ids, image_grid_thw, video_grid_thw, second_per_grid_ts, attention_mask,
+                             spatial_merge_size=spatial_merge_size, image_token_id=image_token_id,
+                             video_token_id=video_token_id, vision_start_token_id=vision_start_token_id,
+                             tokens_per_second=tokens_per_second, mode="qwen")
+
+
+def rot_pos_emb(inv_freq: Tensor, grid_thw: Tensor, spatial_merge_size: int) -> Tensor:
+    """Seed ``rot_pos_emb``: :func:`mmfuse.rot_pos_emb` (fp32 ``[sum t*h*w, 2 * len(inv_freq)]``)."""
+    return _positions.rot_pos_emb(inv_freq, grid_thw, spatial_merge_size)
+
+
+def get_window_index(grid_thw: Tensor, spatial_merge_size: int, vit_merger_window_size: int, patch_size: int,
+                     spatial_merge_unit: int):
+    """Seed ``get_window_index``: ``(window_index int64, cu_window_seqlens int32)`` of
+    :func:`mmfuse.window_index`, with ``vit_merger_window_size`` the window side in merged tokens (4 for
+    Qwen2.5-VL) and ``spatial_merge_unit`` checked to be ``spatial_merge_size ** 2``. A device
+    ``grid_thw`` costs one copy to the host (the output sizes); the outputs are on its device."""
+    if spatial_merge_unit != spatial_merge_size ** 2:
+        raise ValueError(f"mmfuse.backend.get_window_index: spatial_merge_unit: expected spatial_merge_size ** 2 = "
+                         f"{spatial_merge_size ** 2}, got {spatial_merge_unit}")
+    w = _positions.window_index(grid_thw, spatial_merge_size, vit_merger_window_size * spatial_merge_size * patch_size,
+                            patch_size)
+    return w.window_index, w.cu_window_seqlens

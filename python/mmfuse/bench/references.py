@@ -161,3 +161,98 @@ def rope_index_reference(mode, input_ids, attention_mask, image_grid_thw, video_
             pos[:, b, keep] = row
             deltas[b, 0] = int(row.max()) + 1 - L
     return pos, deltas
+
+
+# ---- rope_index inputs at model sizes, and transformers' own functions as oracles ----
+
+QWEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
+_VISION_END = 151653
+
+
+def multimodal_batch(B, L, n_images, n_videos, device="cpu", seed=0, merge=2):
+    """A Qwen2.5-VL-style batch: ``B`` rows of length ``L`` holding ``n_images`` images and ``n_videos``
+    videos spread over the rows (grids of mixed sizes, each in ``<vs> tokens <ve>``), text between them,
+    every other row left-padded. Returns a dict of the rope_index inputs plus ``mm_token_type_ids``."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    rows = [[] for _ in range(B)]
+    row_images, row_videos, row_secs = ([[] for _ in range(B)] for _ in range(3))  # grids in row order
+    items = [False] * n_images + [True] * n_videos
+    items = [items[i] for i in torch.randperm(len(items), generator=g).tolist()]
+    for i, video in enumerate(items):
+        b = i % B
+        row = rows[b]
+        t = rand(2, 8) if video else 1
+        hm, wm = rand(4, 20), rand(4, 24)
+        n = t * hm * wm
+        if len(row) + n + 2 + 16 > L - 8:  # no room: smaller
+            t, hm, wm = 1, 2, 3
+            n = 6
+            if len(row) + n + 2 + 16 > L - 8:
+                continue
+        row += [rand(10, 150000) for _ in range(rand(1, 16))]
+        row += [QWEN_IDS["vision_start_token_id"]] + [QWEN_IDS["video_token_id" if video else "image_token_id"]] * n
+        row += [_VISION_END]
+        (row_videos if video else row_images)[b].append([t, hm * merge, wm * merge])
+        if video:
+            row_secs[b].append([0.083, 0.5, 1.0, 1.5, 2.0][rand(0, 4)])
+    images, videos, secs = (sum(x, []) for x in (row_images, row_videos, row_secs))
+    ids = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for b, row in enumerate(rows):
+        keep = L - rand(0, 8) if b % 2 else L
+        row += [rand(10, 150000) for _ in range(max(0, keep - len(row)))]
+        row = row[:keep]
+        s = L - len(row) if b % 2 else 0
+        ids[b, s:s + len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[b, s:s + len(row)] = 1
+    types = (ids == QWEN_IDS["image_token_id"]).long() + 2 * (ids == QWEN_IDS["video_token_id"]).long()
+    types *= mask
+    to = dict(device=device)
+    return dict(input_ids=ids.to(**to), attention_mask=mask.to(**to), mm_token_type_ids=types.to(**to),
+                image_grid_thw=torch.tensor(images, dtype=torch.long).reshape(-1, 3).to(**to) if images else None,
+                video_grid_thw=torch.tensor(videos, dtype=torch.long).reshape(-1, 3).to(**to) if videos else None,
+                second_per_grid_ts=torch.tensor(secs, dtype=torch.float32).to(**to) if videos else None)
+
+
+def mixed_vision_grids(n, seed=0, merge=2):
+    """``n`` image grids ``[1, h, w]`` of mixed sizes (merged sides 4..40, some odd widths), int64, host."""
+    g = torch.Generator().manual_seed(seed)
+    odd = [41, 47, 55, 61, 121]
+    out = []
+    for i in range(n):
+        hm = int(torch.randint(4, 41, (1,), generator=g))
+        wm = odd[i % 5] if i % 9 == 0 else int(torch.randint(4, 41, (1,), generator=g))
+        out.append([1, hm * merge, wm * merge])
+    return torch.tensor(out, dtype=torch.long)
+
+
+def hf5_get_rope_index(spatial_merge_size=2, tokens_per_second=2):
+    """transformers 5.x's own ``Qwen2_5_VLModel.get_rope_index`` with a minimal config in place of the
+    model (None when transformers 5.x is not installed)."""
+    try:
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+    except ImportError:
+        return None
+    import inspect
+    owner = m.Qwen2_5_VLModel
+    if "mm_token_type_ids" not in inspect.signature(owner.get_rope_index).parameters:
+        return None
+    import types
+    cfg = types.SimpleNamespace(vision_config=types.SimpleNamespace(spatial_merge_size=spatial_merge_size,
+                                                                    tokens_per_second=tokens_per_second))
+    fake = types.SimpleNamespace(config=cfg)
+    fake.get_vision_position_ids = lambda *a, **k: owner.get_vision_position_ids(fake, *a, **k)
+    return lambda **kw: owner.get_rope_index(fake, **kw)
+
+
+def hf5_vision_utils():
+    """transformers 5.x's ``vision_utils`` module (None when not installed)."""
+    try:
+        from transformers import vision_utils
+    except ImportError:
+        return None
+    return vision_utils if hasattr(vision_utils, "get_vision_window_index") else None
