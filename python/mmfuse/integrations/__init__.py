@@ -1,0 +1,1 @@
+"""Integrations of mmfuse with other libraries (each imported on demand)."""
