@@ -151,10 +151,9 @@ def window_index(grid_thw: Tensor, spatial_merge_size: int = 2, window_size: int
     dev = device if device is not None else grid_thw.device
     idx, cu, rev, cus = _window_index(host, spatial_merge_size, window_size, patch_size, dev)
     m, ws = spatial_merge_size, window_size // spatial_merge_size // patch_size
-    max_seqlen = max_window = 0
-    for t, h, w in host.tolist():
-        max_seqlen = max(max_seqlen, h * w)
-        max_window = max(max_window, min(ws, h // m) * min(ws, w // m) * m * m)
+    h, w = host[:, 1].long(), host[:, 2].long()
+    max_seqlen = int((h * w).max()) if host.shape[0] else 0
+    max_window = int(((h // m).clamp(max=ws) * (w // m).clamp(max=ws)).max()) * m * m if host.shape[0] else 0
     return WindowIndex(idx, cu, rev, cus, max_seqlen, max_window)
 
 

@@ -421,22 +421,36 @@ struct PositionsArgs {
   int64_t ang_s[2];
 };
 
-// One thread per (patch, column) of the angle table (or of the positions when there is no table).
-__global__ void vision_positions_kernel(PositionsArgs a) {
-  const int64_t W = a.ang ? 2 * a.F : 2;
+// One thread per (patch, group of 4 columns) of the angle table (or per patch without a table):
+// 32-bit index math past the grid search (patches < 2^31), float4 stores when the rows allow them.
+constexpr int kCols = 4;
+
+__global__ void vision_positions_kernel(PositionsArgs a, int chunks, bool vec) {
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= a.v.s.patches * W) return;
-  const int64_t n = e / W, j = e % W;
+  if (e >= a.v.s.patches * chunks) return;
+  const int32_t n = int32_t(e / chunks), chunk = int32_t(e - int64_t(n) * chunks);
   const int64_t g = find_grid(a.v.pre, a.v.n, kPatch, n);
-  const int m = a.v.m;
-  const int64_t w = a.v.grid(g, 2), h = a.v.grid(g, 1);
-  const int64_t q = (n - a.v.pre[4 * g + kPatch]) % (h * w);  // patch within its frame
-  const int64_t block = q / (m * m), inner = q % (m * m), wm = w / m;
-  const int64_t row = (block / wm) * m + inner / m, col = (block % wm) * m + inner % m;
-  if (a.pos && j < 2) a.pos[n * a.pos_s[0] + j * a.pos_s[1]] = j == 0 ? row : col;
-  if (a.ang) {
-    const int64_t jj = j < a.F ? j : j - a.F;
-    a.ang[n * a.ang_s[0] + j * a.ang_s[1]] = __fmul_rn(float(j < a.F ? row : col), a.inv_freq[jj * a.fs]);
+  const int32_t m = a.v.m, h = int32_t(a.v.grid(g, 1)), w = int32_t(a.v.grid(g, 2));
+  const int32_t q = (n - int32_t(a.v.pre[4 * g + kPatch])) % (h * w);  // patch within its frame
+  const int32_t block = q / (m * m), inner = q - block * (m * m), wm = w / m;
+  const int32_t br = block / wm;
+  const int32_t row = br * m + inner / m, col = (block - br * wm) * m + inner % m;
+  if (a.pos && chunk == 0) {
+    a.pos[int64_t(n) * a.pos_s[0]] = row;
+    a.pos[int64_t(n) * a.pos_s[0] + a.pos_s[1]] = col;
+  }
+  if (!a.ang) return;
+  const int32_t F = int32_t(a.F), j0 = chunk * kCols;
+  float v[kCols];
+  for (int c = 0; c < kCols; ++c) {
+    const int32_t j = j0 + c, jj = j < F ? j : j - F;
+    v[c] = j < 2 * F ? __fmul_rn(float(j < F ? row : col), a.inv_freq[jj * a.fs]) : 0.0f;
+  }
+  float* out = a.ang + int64_t(n) * a.ang_s[0];
+  if (vec) {
+    *reinterpret_cast<float4*>(out + j0) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    for (int c = 0; c < kCols && j0 + c < 2 * F; ++c) out[(j0 + c) * a.ang_s[1]] = v[c];
   }
 }
 
@@ -535,8 +549,10 @@ void vision_positions_cuda(const TensorView& grid, int m, const VisionGridSizes&
   if (a.ang && a.F == 0) a.ang = nullptr;
   if (!a.pos && !a.ang) return;
   launch_prefix(a.v, stream);
-  const int64_t n = s.patches * (a.ang ? 2 * a.F : 2);
-  vision_positions_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(a);
+  const int chunks = a.ang ? int((2 * a.F + kCols - 1) / kCols) : 1;
+  const bool vec = a.ang && (2 * a.F) % kCols == 0 && a.ang_s[1] == 1 && a.ang_s[0] % kCols == 0 &&
+                   reinterpret_cast<uintptr_t>(a.ang) % 16 == 0;
+  vision_positions_kernel<<<blocks_for(s.patches * chunks, 256), 256, 0, stream>>>(a, chunks, vec);
   MMFUSE_CUDA_CHECK_LAUNCH("vision_positions");
 }
 
