@@ -60,7 +60,7 @@ std::tuple<Tensor, Tensor> rope_index_impl(const Tensor& input_ids, const OptTen
   return {pos, deltas};
 }
 
-// The grid three ways: on the host (for the sizes), on the output device (for the kernels).
+// The grid on the host (for the sizes) and on the output device (for the kernels), and the sizes.
 struct Grids {
   Tensor host, on_device;
   VisionGridSizes sizes;

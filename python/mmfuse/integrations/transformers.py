@@ -26,8 +26,6 @@ index and the cos/sin tables (computed by its rotary modules).
 
 import inspect
 
-import torch
-
 from .. import positions as _positions
 from .. import rope as _rope
 
@@ -144,4 +142,3 @@ class patch_qwen2_5_vl:
 
 
 __all__ = ["patch_qwen2_5_vl"]
-del torch
