@@ -32,5 +32,17 @@ grid = mixed_vision_grids(40, seed=1)
 w = mmfuse.window_index(grid, device="cuda")
 mmfuse.vision_positions(grid.cuda())
 mmfuse.rot_pos_emb(torch.rand(10, device="cuda"), grid)
+for T, K, E, H, drop, dtype in ((3001, 2, 8, 72, 0.8, torch.bfloat16), (700, 8, 64, 13, 1.0, torch.float32),
+                                 (999, 1, 2, 256, 1.0, torch.float16), (5000, 4, 300, 8, 0.5, torch.bfloat16)):
+    logits = torch.randn(T, E, device="cuda")
+    probs, idx = torch.softmax(logits, -1).topk(K, dim=-1)
+    x = torch.randn(T, H, device="cuda", dtype=dtype, requires_grad=True)
+    pr = probs.clone().requires_grad_(True)
+    p = mmfuse.moe_permute(x, idx, E, int(T * K * drop))
+    out = mmfuse.moe_unpermute(p.rows * 2, p.row_id_map, pr)
+    out.float().sum().backward()
+    mmfuse.moe_permute(x.detach().to(torch.float8_e4m3fn), idx.int(), E)
+    torch.ops.mmfuse.moe_unpermute_backward(out.detach(), torch.randn(int(T * K * drop) + 7, H, device="cuda",
+                                            dtype=dtype), p.row_id_map, None)
 torch.cuda.synchronize()
 print("sanitizer workload done")

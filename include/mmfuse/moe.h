@@ -1,46 +1,74 @@
 // MoE token routing (SEMANTICS.md section 5): the routing plan (a stable counting sort of the expert
-// ids), permute, unpermute with probabilities, and their backward. CPU backend for now (the CUDA
-// backend is issue 4's next step).
+// ids), permute, unpermute with probabilities, and their backward; CPU and CUDA backends.
 //
 // Permuted order: ascending expert id, then ascending flat index i = t*K + k (a stable sort of the
 // flattened ids). The first num_out rows of that order are kept, the rest dropped.
+//
+// Workspaces are int32 buffers of the size the *_workspace_size functions give, owned by the caller
+// (the core allocates nothing); their contents need no initialisation and are scratch afterwards.
 #pragma once
 
 #include "mmfuse/common.h"
 
 namespace mmfuse {
 
+// Experts the CUDA plan supports (its per-block histograms live in shared memory).
+constexpr int64_t kMoeMaxExpertsCuda = 4096;
+
+// int32 elements of the plan's workspace (the CPU backend needs none; the size is the same for both).
+MMFUSE_API int64_t moe_plan_workspace_size(int64_t tokens, int64_t topk, int64_t num_experts);
+
 // indices [T, K] int32 / int64, ids in [0, num_experts); num_out_tokens: 0 or T*K keeps all.
 // Writes row_id_map int32 [K, T] (row_id_map[k][t] = destination row of (t, k), -1 if dropped),
 // counts int64 [num_experts] (kept rows per expert) and dst_to_src int32 [num_out] (the flat index
-// t*K + k of each destination row). An id outside [0, num_experts) throws, naming it.
+// t*K + k of each destination row). An id outside [0, num_experts) is an error naming it: an
+// exception on the CPU, a message and a device-side assertion on the GPU (no out-of-bounds access).
 MMFUSE_API void moe_plan(const TensorView& indices, int64_t num_experts, int64_t num_out_tokens,
-                         TensorView& row_id_map, TensorView& counts, TensorView& dst_to_src, cudaStream_t stream);
+                         TensorView& row_id_map, TensorView& counts, TensorView& dst_to_src, TensorView& workspace,
+                         cudaStream_t stream);
 
-// out [num_out, H] = x [T, H] rows in permuted order: out[d] = x[dst_to_src[d] / K]. Any dtype (rows
-// are copied as bytes: bf16, fp16, fp32, fp8 ...); the last dim contiguous.
-MMFUSE_API void moe_permute(const TensorView& x, const TensorView& dst_to_src, int64_t topk, TensorView& out,
-                            cudaStream_t stream);
+// out [N, H]: out[row_id_map[k][t]] = x[t] for every kept (t, k); each x row is read once. Any
+// dtype (rows are copied as bytes: bf16, fp16, fp32, fp8 ...). A plan's map covers all its num_out
+// rows; rows of out no entry maps to are not written. The last dims contiguous.
+MMFUSE_API void moe_permute(const TensorView& x, const TensorView& row_id_map, TensorView& out, cudaStream_t stream);
 
 // out [T, H] = sum over kept k of probs[t, k] * y[row_id_map[k][t]] (weights 1 without probs),
-// accumulated in fp32 (fp64 for fp64) in k order and rounded once. y [N, H] bf16 / fp16 / fp32 / fp64;
-// probs [T, K] fp32 or absent. This is also the backward of permute (without probs).
+// accumulated in fp32 (fp64 for fp64) in k order and rounded once: CPU and CUDA bitwise equal.
+// y [N, H] bf16 / fp16 / fp32 / fp64; probs [T, K] fp32 or absent. Without probs this is also the
+// backward of permute.
 MMFUSE_API void moe_unpermute(const TensorView& y, const TensorView& row_id_map, const TensorView& probs,
                               TensorView& out, cudaStream_t stream);
 
-// Backward of unpermute: dy [N, H] (dy[row(t,k)] = probs[t,k] * dout[t]; rows no kept (t, k) maps to
-// are zero) and dprobs [T, K] fp32 (dot(dout[t], y[row(t,k)]) in fp32, 0 when dropped; optional).
+// int32 elements of the unpermute backward's workspace for y with `rows` rows (a bitmap of rows).
+MMFUSE_API int64_t moe_unpermute_backward_workspace_size(int64_t rows);
+
+// Backward of unpermute: dy [N, H] (dy[row(t,k)] = probs[t,k] * dout[t], rounded once; rows no kept
+// (t, k) maps to are zero) and dprobs [T, K] fp32 (dot(dout[t], y[row(t,k)]) accumulated in fp32, 0
+// when dropped; optional: absent skips reading y). Two entries mapping to one row are an error.
 MMFUSE_API void moe_unpermute_backward(const TensorView& dout, const TensorView& y, const TensorView& row_id_map,
                                        const TensorView& probs, TensorView& dy, TensorView& dprobs,
-                                       cudaStream_t stream);
+                                       TensorView& workspace, cudaStream_t stream);
 
 namespace detail {
+// Entries of indices each block of the CUDA plan walks (a multiple of 1024); also sizes the workspace.
+int64_t moe_plan_block_entries(int64_t tk, int64_t num_experts);
+
 void moe_plan_cpu(const TensorView& indices, int64_t E, int64_t num_out, TensorView& row_id_map, TensorView& counts,
                   TensorView& dst_to_src);
-void moe_permute_cpu(const TensorView& x, const TensorView& dst_to_src, int64_t topk, TensorView& out);
+void moe_permute_cpu(const TensorView& x, const TensorView& row_id_map, TensorView& out);
 void moe_unpermute_cpu(const TensorView& y, const TensorView& row_id_map, const TensorView& probs, TensorView& out);
 void moe_unpermute_backward_cpu(const TensorView& dout, const TensorView& y, const TensorView& row_id_map,
                                 const TensorView& probs, TensorView& dy, TensorView& dprobs);
+#ifdef MMFUSE_WITH_CUDA
+void moe_plan_cuda(const TensorView& indices, int64_t E, int64_t num_out, TensorView& row_id_map, TensorView& counts,
+                   TensorView& dst_to_src, TensorView& workspace, cudaStream_t stream);
+void moe_permute_cuda(const TensorView& x, const TensorView& row_id_map, TensorView& out, cudaStream_t stream);
+void moe_unpermute_cuda(const TensorView& y, const TensorView& row_id_map, const TensorView& probs, TensorView& out,
+                        cudaStream_t stream);
+void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, const TensorView& row_id_map,
+                                 const TensorView& probs, TensorView& dy, TensorView& dprobs, TensorView& workspace,
+                                 cudaStream_t stream);
+#endif
 }  // namespace detail
 
 }  // namespace mmfuse

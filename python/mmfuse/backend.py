@@ -2,11 +2,12 @@
 ``SEMANTICS.md``. New code should call :mod:`mmfuse` directly.
 """
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 from . import _lib  # noqa: F401
+from . import moe as _moe
 from . import positions as _positions
 
 Tensor = torch.Tensor
@@ -99,3 +100,42 @@ def get_window_index(grid_thw: Tensor, spatial_merge_size: int, vit_merger_windo
     w = _positions.window_index(grid_thw, spatial_merge_size, vit_merger_window_size * spatial_merge_size * patch_size,
                             patch_size)
     return w.window_index, w.cu_window_seqlens
+
+
+def permute(input: Tensor, indices: Tensor, num_out_tokens: int, workspace, max_expanded_token_num: int):
+    """Seed ``permute``: returns ``(permuted, row_id_map, workspace)`` as the seed's kernel did, with the
+    corrected semantics of :func:`mmfuse.moe_permute` (stable counting sort, no default stream, no
+    process-global cache). ``workspace`` is accepted and returned unchanged (mmfuse takes its scratch
+    from PyTorch's caching allocator, per call, on the current stream); ``max_expanded_token_num`` is
+    ignored (sizes come from ``indices``); ``num_out_tokens`` 0 keeps all.
+    The seed's signature has no expert count: it is ``indices.max() + 1``, which costs one host sync
+    (call :func:`mmfuse.moe_permute` with ``num_experts`` to avoid it)."""
+    del max_expanded_token_num
+    num_experts = int(indices.max()) + 1 if indices.numel() else 1
+    rows, row_id_map, _ = _moe.moe_permute(input, indices, num_experts, num_out_tokens)
+    return rows, row_id_map, workspace
+
+
+def _seed_map(row_id_map: Tensor, num_tokens: int, topk: int) -> Tensor:
+    if row_id_map.dim() == 1:  # the seed's flat [K * T]
+        if row_id_map.numel() != num_tokens * topk:
+            raise ValueError(f"mmfuse.backend: row_id_map: expected {topk} x {num_tokens} entries, got "
+                             f"{row_id_map.numel()}")
+        return row_id_map.view(topk, num_tokens)
+    return row_id_map
+
+
+def unpermute(input: Tensor, row_id_map: Tensor, prob: Tensor, max_tokens: int, num_topK: int) -> Tensor:
+    """Seed ``unpermute``: :func:`mmfuse.moe_unpermute` (fp32 accumulation; an empty ``prob`` means weights
+    1, for every K including 1). ``row_id_map`` may be the seed's flat ``[K * T]``."""
+    probs = prob if prob is not None and prob.numel() else None
+    return _moe.moe_unpermute(input, _seed_map(row_id_map, max_tokens, num_topK), probs)
+
+
+def unpermute_bwd(input_bwd: Tensor, input_fwd: Tensor, row_id_map: Tensor, prob: Optional[Tensor]):
+    """Seed ``unpermute_bwd``: ``(grad_input, grad_prob)``; ``grad_prob`` is defined for K = 1 too and is
+    0 for dropped entries; ``prob`` None or empty means weights 1."""
+    T = input_bwd.shape[0]
+    K = row_id_map.numel() // max(T, 1) if row_id_map.dim() == 1 else row_id_map.shape[0]
+    probs = prob if prob is not None and prob.numel() else None
+    return torch.ops.mmfuse.moe_unpermute_backward(input_bwd, input_fwd, _seed_map(row_id_map, T, K), probs)

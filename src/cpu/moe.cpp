@@ -54,18 +54,16 @@ void moe_plan_cpu(const TensorView& idx, int64_t E, int64_t n, TensorView& map, 
     }
 }
 
-void moe_permute_cpu(const TensorView& x, const TensorView& d2s, int64_t K, TensorView& out) {
-  const int64_t N = d2s.shape[0], H = x.shape[1], T = x.shape[0];
-  const size_t row = size_t(H) * dtype_size(x.dtype);
+void moe_permute_cpu(const TensorView& x, const TensorView& map, TensorView& out) {
+  const int64_t T = x.shape[0], K = map.shape[0], N = out.shape[0];
+  const size_t es = dtype_size(x.dtype), row = size_t(x.shape[1]) * es;
   const char* X = static_cast<const char*>(x.data);
   char* O = static_cast<char*>(out.data);
-  const size_t es = dtype_size(x.dtype);
-  for (int64_t d = 0; d < N; ++d) {
-    const int64_t src = static_cast<const int32_t*>(d2s.data)[d * d2s.stride[0]];
-    MMFUSE_CHECK(src >= 0 && src < T * K, "moe_permute: dst_to_src[", d, "] = ", src, ": expected in [0, T*K = ",
-                 T * K, ")");
-    std::memcpy(O + d * out.stride[0] * es, X + (src / K) * x.stride[0] * es, row);
-  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t r = row_of("moe_permute", map, k, t, N);
+      if (r >= 0) std::memcpy(O + r * out.stride[0] * es, X + t * x.stride[0] * es, row);
+    }
 }
 
 void moe_unpermute_cpu(const TensorView& y, const TensorView& map, const TensorView& probs, TensorView& out) {
@@ -104,6 +102,7 @@ void moe_unpermute_backward_cpu(const TensorView& dout, const TensorView& y, con
     S* DY = static_cast<S*>(dy.data);
     for (int64_t r = 0; r < N; ++r)
       for (int64_t h = 0; h < H; ++h) DY[r * dy.stride[0] + h * dy.stride[1]] = store_val<S>(C(0));
+    std::vector<bool> covered(static_cast<size_t>(N), false);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < K; ++k) {
         const int64_t r = row_of("moe_unpermute_backward", map, k, t, N);
@@ -114,6 +113,9 @@ void moe_unpermute_backward_cpu(const TensorView& dout, const TensorView& y, con
           if (dp) *dp = 0.0f;
           continue;
         }
+        MMFUSE_CHECK(!covered[r], "moe_unpermute_backward: row_id_map: row ", r,
+                     " is the destination of two entries (the second: [", k, "][", t, "])");
+        covered[r] = true;
         const C w = probs.defined() ? C(static_cast<const float*>(probs.data)[t * probs.stride[0] + k * probs.stride[1]])
                                     : C(1);
         C dot = 0;

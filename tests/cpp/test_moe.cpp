@@ -31,7 +31,8 @@ Plan plan(std::vector<int64_t> ids, int64_t T, int64_t K, int64_t E, int64_t num
   TensorView iv = host_view(ids.data(), DType::kInt64, {T, K});
   TensorView mv = host_view(p.map.data(), DType::kInt32, {K, T}), cv = host_view(p.counts.data(), DType::kInt64, {E}),
              dv = host_view(p.d2s.data(), DType::kInt32, {n});
-  moe_plan(iv, E, num_out, mv, cv, dv, nullptr);
+  TensorView ws;
+  moe_plan(iv, E, num_out, mv, cv, dv, ws, nullptr);
   return p;
 }
 
@@ -74,14 +75,14 @@ TEST(MoeCpu, PlanPermuteUnpermuteAgainstReference) {
           std::vector<double> perm(n * H, -1.0), out(T * H, -1.0), dy(n * H, -1.0), dout = random_vec<double>(T * H, rng);
           std::vector<float> dprobs(T * K, -1.0f);
           TensorView xv = host_view(x.data(), DType::kFloat64, {T, H}), pv = host_view(perm.data(), DType::kFloat64, {n, H});
-          TensorView dv = host_view(const_cast<int32_t*>(p.d2s.data()), DType::kInt32, {n});
           TensorView mv = host_view(const_cast<int32_t*>(p.map.data()), DType::kInt32, {K, T});
           TensorView prv = host_view(pf.data(), DType::kFloat32, {T, K}), ov = host_view(out.data(), DType::kFloat64, {T, H});
           TensorView gv = host_view(dout.data(), DType::kFloat64, {T, H}), dyv = host_view(dy.data(), DType::kFloat64, {n, H});
           TensorView dpv = host_view(dprobs.data(), DType::kFloat32, {T, K});
-          moe_permute(xv, dv, K, pv, nullptr);
+          TensorView ws;
+          moe_permute(xv, mv, pv, nullptr);
           moe_unpermute(pv, mv, prv, ov, nullptr);
-          moe_unpermute_backward(gv, pv, mv, prv, dyv, dpv, nullptr);
+          moe_unpermute_backward(gv, pv, mv, prv, dyv, dpv, ws, nullptr);
           for (int64_t d = 0; d < n; ++d)
             for (int64_t h = 0; h < H; ++h) ASSERT_EQ(perm[d * H + h], x[(order[d] / K) * H + h]);
           std::vector<double> want_dy(n * H, 0.0);
@@ -140,3 +141,196 @@ TEST(MoeCpu, BadInputNamesTheProblem) {
     EXPECT_NE(std::string(e.what()).find("num_out_tokens"), std::string::npos) << e.what();
   }
 }
+
+#ifdef MMFUSE_WITH_CUDA
+namespace {
+
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() {
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) throw std::runtime_error("stream");
+  }
+  ~Stream() { cudaStreamDestroy(s); }
+};
+
+// Random top-K routing: K distinct experts a token, skewed towards a few so some experts stay empty.
+std::vector<int64_t> random_ids(std::mt19937_64& rng, int64_t T, int64_t K, int64_t E) {
+  std::vector<int64_t> ids(T * K), e(E);
+  for (int64_t t = 0; t < T; ++t) {
+    std::iota(e.begin(), e.end(), 0);
+    const int64_t pool = std::min<int64_t>(E, std::uniform_int_distribution<int64_t>(K, 3 * K + 4)(rng));
+    std::shuffle(e.begin(), e.begin() + pool, rng);
+    for (int64_t k = 0; k < K; ++k) ids[t * K + k] = e[k];
+  }
+  return ids;
+}
+
+struct CudaPlan {
+  std::vector<int32_t> map, d2s;
+  std::vector<int64_t> counts;
+};
+
+// The CUDA plan of ids stored as dtype `it` (int32 / int64), optionally transposed ([K, T] storage
+// read through strides), outputs poisoned first.
+CudaPlan plan_cuda(const std::vector<int64_t>& ids, int64_t T, int64_t K, int64_t E, int64_t num_out, DType it,
+                   bool transposed, cudaStream_t s) {
+  const int64_t n = num_out == 0 ? T * K : num_out;
+  std::vector<int64_t> stored(T * K);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) stored[transposed ? k * T + t : t * K + k] = ids[t * K + k];
+  std::vector<int32_t> stored32(stored.begin(), stored.end());
+  DeviceBuffer<int64_t> i64(stored);
+  DeviceBuffer<int32_t> i32(stored32), map(K * T), d2s(n), ws(moe_plan_workspace_size(T, K, E));
+  DeviceBuffer<int64_t> counts(E);
+  map.poison();
+  d2s.poison();
+  counts.poison();
+  ws.poison();
+  void* p = it == DType::kInt64 ? static_cast<void*>(i64.ptr) : static_cast<void*>(i32.ptr);
+  TensorView iv = transposed ? device_view(p, it, {T, K}, {1, T}) : device_view(p, it, {T, K});
+  TensorView mv = device_view(map.ptr, DType::kInt32, {K, T}), cv = device_view(counts.ptr, DType::kInt64, {E});
+  TensorView dv = device_view(d2s.ptr, DType::kInt32, {n}), wv = device_view(ws.ptr, DType::kInt32, {int64_t(ws.n)});
+  moe_plan(iv, E, num_out, mv, cv, dv, wv, s);
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  return {map.download(), d2s.download(), counts.download()};
+}
+
+}  // namespace
+
+TEST(MoeCuda, PlanEqualsCpu) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  std::mt19937_64 rng(test_seed());
+  Stream st;
+  int cases = 0;
+  for (int64_t K : {1, 2, 4, 8})
+    for (int64_t E : {1, 2, 8, 64, 256, 4096})
+      for (int64_t T : {0, 1, 37, 3001, 70001}) {
+        if (K > E || (T > 5000 && E == 4096 && K > 2)) continue;
+        const std::vector<int64_t> ids = random_ids(rng, T, K, E);
+        for (int64_t num_out : {int64_t(0), T * K * 3 / 4}) {
+          const Plan want = plan(ids, T, K, E, num_out);
+          const DType it = (cases % 2) ? DType::kInt32 : DType::kInt64;
+          const CudaPlan got = plan_cuda(ids, T, K, E, num_out, it, cases % 3 == 0, st.s);
+          ASSERT_EQ(got.map, want.map) << "K " << K << " E " << E << " T " << T << " num_out " << num_out;
+          ASSERT_EQ(got.d2s, want.d2s) << "K " << K << " E " << E << " T " << T;
+          ASSERT_EQ(got.counts, want.counts) << "K " << K << " E " << E << " T " << T;
+          ++cases;
+        }
+      }
+  EXPECT_GT(cases, 100);
+}
+
+namespace {
+
+template <class S>
+void rows_equal_cpu(std::mt19937_64& rng, int64_t T, int64_t K, int64_t E, int64_t H, int64_t num_out,
+                    int64_t extra_rows, bool with_probs, cudaStream_t s) {
+  const std::string where = "T " + std::to_string(T) + " K " + std::to_string(K) + " E " + std::to_string(E) +
+                            " H " + std::to_string(H) + " num_out " + std::to_string(num_out);
+  const std::vector<int64_t> ids = random_ids(rng, T, K, E);
+  const Plan p = plan(ids, T, K, E, num_out);
+  const int64_t n = num_out == 0 ? T * K : num_out, N = n + extra_rows;
+  const DType dt = dtype_of<S>();
+  std::vector<S> x = random_vec<S>(T * H, rng), dout = random_vec<S>(T * H, rng);
+  std::vector<float> probs = random_vec<float>(T * K, rng, 0.0, 1.0);
+  // CPU
+  std::vector<S> perm(N * H), out(T * H), dy(N * H);
+  std::vector<float> dprobs(T * K);
+  poison(perm);
+  poison(out);
+  poison(dy);
+  poison(dprobs);
+  std::vector<S> perm_in = random_vec<S>(N * H, rng);  // y for unpermute: the permuted rows plus junk rows
+  TensorView none, mv = host_view(const_cast<int32_t*>(p.map.data()), DType::kInt32, {K, T});
+  TensorView xv = host_view(x.data(), dt, {T, H}), pv = host_view(perm.data(), dt, {N, H});
+  TensorView yv = host_view(perm_in.data(), dt, {N, H}), ov = host_view(out.data(), dt, {T, H});
+  TensorView gv = host_view(dout.data(), dt, {T, H}), dyv = host_view(dy.data(), dt, {N, H});
+  TensorView prv = host_view(probs.data(), DType::kFloat32, {T, K}), dpv = host_view(dprobs.data(), DType::kFloat32, {T, K});
+  moe_permute(xv, mv, pv, nullptr);
+  moe_unpermute(yv, mv, with_probs ? prv : none, ov, nullptr);
+  moe_unpermute_backward(gv, yv, mv, with_probs ? prv : none, dyv, dpv, none, nullptr);
+  // CUDA
+  DeviceBuffer<S> dx(x), dperm(N * H), dy_in(perm_in), dout_d(T * H), dg(dout), ddy(N * H);
+  DeviceBuffer<int32_t> dmap(p.map), ws(moe_unpermute_backward_workspace_size(N));
+  DeviceBuffer<float> dprob(probs), ddp(T * K);
+  dperm.poison();
+  dout_d.poison();
+  ddy.poison();
+  ddp.poison();
+  ws.poison();
+  TensorView cm = device_view(dmap.ptr, DType::kInt32, {K, T});
+  TensorView cx = device_view(dx.ptr, dt, {T, H}), cp = device_view(dperm.ptr, dt, {N, H});
+  TensorView cy = device_view(dy_in.ptr, dt, {N, H}), co = device_view(dout_d.ptr, dt, {T, H});
+  TensorView cg = device_view(dg.ptr, dt, {T, H}), cdy = device_view(ddy.ptr, dt, {N, H});
+  TensorView cpr = device_view(dprob.ptr, DType::kFloat32, {T, K}), cdp = device_view(ddp.ptr, DType::kFloat32, {T, K});
+  TensorView cws = device_view(ws.ptr, DType::kInt32, {int64_t(ws.n)});
+  moe_permute(cx, cm, cp, s);
+  moe_unpermute(cy, cm, with_probs ? cpr : none, co, s);
+  moe_unpermute_backward(cg, cy, cm, with_probs ? cpr : none, cdy, cdp, cws, s);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  const std::vector<S> got_perm = dperm.download(), got_out = dout_d.download(), got_dy = ddy.download();
+  const std::vector<float> got_dp = ddp.download();
+  for (int64_t i = 0; i < n * H; ++i) ASSERT_TRUE(bits_equal(got_perm[i], perm[i])) << where << " permute " << i;
+  for (int64_t i = 0; i < T * H; ++i) ASSERT_TRUE(bits_equal(got_out[i], out[i])) << where << " unpermute " << i;
+  for (int64_t i = 0; i < N * H; ++i) ASSERT_TRUE(bits_equal(got_dy[i], dy[i])) << where << " dy " << i;
+  for (int64_t i = 0; i < T * K; ++i)  // fp32 dots in another order: relative to the sum of |terms|
+    ASSERT_NEAR(got_dp[i], dprobs[i], 1e-5 * (1.0 + 2.0 * 2.0 * double(H))) << where << " dprobs " << i;
+}
+
+}  // namespace
+
+TEST(MoeCuda, RowsEqualCpu) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  std::mt19937_64 rng(test_seed());
+  Stream st;
+  for (int64_t H : {1, 13, 64, 200, 2048})
+    for (auto [T, K, E] : {std::tuple<int64_t, int64_t, int64_t>{0, 2, 8}, {1, 1, 2}, {37, 2, 8}, {300, 8, 64},
+                           {513, 1, 2}, {129, 4, 256}}) {
+      const int64_t keep = T * K * 3 / 4;
+      rows_equal_cpu<bf16>(rng, T, K, E, H, 0, 0, true, st.s);
+      rows_equal_cpu<bf16>(rng, T, K, E, H, keep, 5, true, st.s);  // dropping, and rows no entry maps to
+      rows_equal_cpu<f16>(rng, T, K, E, H, 0, 0, false, st.s);
+      rows_equal_cpu<float>(rng, T, K, E, H, keep, 0, true, st.s);
+      rows_equal_cpu<double>(rng, T, K, E, H, 0, 3, true, st.s);
+    }
+}
+
+TEST(MoeCuda, PermutesFp8RowsAndIsDeterministic) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  std::mt19937_64 rng(test_seed());
+  Stream st;
+  const int64_t T = 4099, K = 2, E = 8, H = 136;  // H * 1 byte: 8-byte vectors
+  const Plan p = plan(random_ids(rng, T, K, E), T, K, E, 0);
+  std::vector<uint8_t> x(T * H);
+  for (auto& b : x) b = uint8_t(rng());
+  DeviceBuffer<uint8_t> dx(x), dperm(T * K * H);
+  DeviceBuffer<int32_t> dmap(p.map);
+  dperm.poison();
+  TensorView cx = device_view(dx.ptr, DType::kFloat8E4M3, {T, H}), cp = device_view(dperm.ptr, DType::kFloat8E4M3, {T * K, H});
+  moe_permute(cx, device_view(dmap.ptr, DType::kInt32, {K, T}), cp, st.s);
+  ASSERT_EQ(cudaStreamSynchronize(st.s), cudaSuccess);
+  const std::vector<uint8_t> got = dperm.download();
+  for (int64_t d = 0; d < T * K; ++d)
+    ASSERT_EQ(0, std::memcmp(&got[d * H], &x[(p.d2s[d] / K) * H], H)) << "row " << d;
+  // the backward's dprobs (block sums) are the same bits on every run
+  const int64_t H2 = 4096;
+  std::vector<bf16> y = random_vec<bf16>(T * K * H2, rng), g = random_vec<bf16>(T * H2, rng);
+  std::vector<float> probs = random_vec<float>(T * K, rng, 0.0, 1.0);
+  DeviceBuffer<bf16> dyin(y), dg(g), ddy(T * K * H2);
+  DeviceBuffer<float> dp(probs), ddp(T * K);
+  DeviceBuffer<int32_t> ws(moe_unpermute_backward_workspace_size(T * K));
+  std::vector<float> first;
+  for (int run = 0; run < 3; ++run) {
+    ddp.poison();
+    TensorView cdy = device_view(ddy.ptr, DType::kBFloat16, {T * K, H2}), cdp = device_view(ddp.ptr, DType::kFloat32, {T, K});
+    TensorView cws = device_view(ws.ptr, DType::kInt32, {int64_t(ws.n)});
+    moe_unpermute_backward(device_view(dg.ptr, DType::kBFloat16, {T, H2}), device_view(dyin.ptr, DType::kBFloat16, {T * K, H2}),
+                           device_view(dmap.ptr, DType::kInt32, {K, T}), device_view(dp.ptr, DType::kFloat32, {T, K}),
+                           cdy, cdp, cws, st.s);
+    ASSERT_EQ(cudaStreamSynchronize(st.s), cudaSuccess);
+    const std::vector<float> got_dp = ddp.download();
+    if (run == 0) first = got_dp;
+    else ASSERT_EQ(0, std::memcmp(first.data(), got_dp.data(), first.size() * 4)) << "run " << run;
+  }
+}
+#endif

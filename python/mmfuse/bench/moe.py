@@ -1,0 +1,132 @@
+"""``mmfuse-bench moe``: MoE token routing (plan, permute, unpermute, unpermute backward) against the
+PyTorch formulation (stable argsort + index_select; gather + fp32 weighted sum; index_copy + dot), bf16,
+with the copy-bandwidth ceiling of the same run. Bytes count each input read once and each output
+written once."""
+
+import torch
+
+import mmfuse
+
+from .common import Row, copy_bandwidth_gbs, print_table, time_us
+
+
+def _routing(T, K, E, device, seed, skew=None):
+    """Top-K of E per token from random logits (distinct experts a token); skew: for E = 2, K = 1, the
+    fraction of tokens routed to expert 1 (the action tokens of a VLA batch)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if skew is not None:
+        idx = (torch.rand(T, 1, generator=g) < skew).long()
+        return idx.to(device), torch.ones(T, 1, device=device)
+    logits = torch.randn(T, E, generator=g)
+    probs, idx = torch.softmax(logits, -1).topk(K, dim=-1)
+    return idx.to(device), probs.to(device)
+
+
+# ---- the PyTorch baseline ----
+
+def torch_permute(x, idx, num_out):
+    K = idx.shape[1]
+    order = torch.argsort(idx.reshape(-1), stable=True)[:num_out]
+    return x.index_select(0, order // K), order
+
+
+def torch_row_map(order, T, K):
+    m = torch.full((T * K,), -1, dtype=torch.long, device=order.device)
+    m[order] = torch.arange(order.numel(), device=order.device)
+    return m.view(T, K).t()
+
+
+def torch_unpermute(y, row_map, probs):
+    K, T = row_map.shape
+    kept = row_map >= 0
+    g = y.index_select(0, row_map.clamp_min(0).reshape(-1)).view(K, T, -1).float()
+    w = (probs.t() * kept)[..., None]
+    return (g * w).sum(0).to(y.dtype)
+
+
+def torch_unpermute_bwd(dout, y, row_map, probs):
+    K, T = row_map.shape
+    kept = (row_map >= 0).reshape(-1)
+    rows = row_map.reshape(-1)[kept]
+    tok = torch.arange(T, device=y.device).repeat(K)[kept]
+    w = probs.t().reshape(-1)[kept]
+    dy = torch.zeros_like(y)
+    dy.index_copy_(0, rows, (w[:, None] * dout.float()[tok]).to(y.dtype))
+    dprobs = torch.zeros(K * T, device=y.device)
+    dprobs[kept] = (dout.float()[tok] * y.float()[rows]).sum(-1)
+    return dy, dprobs.view(K, T).t()
+
+
+def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat16):
+    it = dict(iters=10 if quick else 30)
+    idx, probs = _routing(T, K, E, device, seed=T + K + E, skew=skew)
+    x = torch.randn(T, H, device=device).to(dt)
+    num_out = T * K if drop is None else int(T * K * drop)
+    es = x.element_size()
+    ops = torch.ops.mmfuse
+    rows = []
+
+    # plan alone, and the whole moe_permute (plan + rows), against argsort + index_select
+    plan_us, plan_sp = time_us(lambda: ops.moe_plan(idx, E, num_out), device, **it)
+    p = mmfuse.moe_permute(x, idx, E, num_out)
+    want_rows, order = torch_permute(x, idx, num_out)
+    want_map = torch_row_map(order, T, K)
+    ok = torch.equal(p.rows, want_rows) and torch.equal(p.row_id_map.long(), want_map)
+    ok = ok and torch.equal(p.counts, torch.bincount(idx.reshape(-1)[order], minlength=E))
+    verdict = "exact" if ok else "FAIL"
+    base_us, _ = time_us(lambda: torch_permute(x, idx, num_out), device, **it)
+    map_bytes = 4 * T * K
+    rows.append(Row(f"{name} plan", plan_us, plan_sp, None, verified=verdict))
+    perm_bytes = T * H * es + num_out * H * es + map_bytes
+    full_us, full_sp = time_us(lambda: mmfuse.moe_permute(x, idx, E, num_out), device, **it)
+    rows.append(Row(f"{name} moe_permute (plan+rows)", full_us, full_sp, perm_bytes + idx.numel() * 8,
+                    base_us, "argsort", verdict))
+    m_us, m_sp = time_us(lambda: ops.moe_permute(x, p.row_id_map, num_out), device, **it)
+    rows.append(Row(f"{name} permute rows", m_us, m_sp, perm_bytes, verified=verdict))
+
+    # unpermute with probabilities, against gather + fp32 weighted sum
+    y = torch.randn(num_out, H, device=device).to(dt)
+    out = mmfuse.moe_unpermute(y, p.row_id_map, probs)
+    want = torch_unpermute(y, p.row_id_map.long(), probs)
+    diff = (out.float() - want.float()).abs().max().item() if out.numel() else 0.0
+    verdict = "exact" if torch.equal(out, want) else ("close" if diff <= 2 ** -7 * want.float().abs().max().item()
+                                                       else f"FAIL {diff:.2g}")
+    u_us, u_sp = time_us(lambda: mmfuse.moe_unpermute(y, p.row_id_map, probs), device, **it)
+    ub_us, _ = time_us(lambda: torch_unpermute(y, p.row_id_map.long(), probs), device, **it)
+    un_bytes = num_out * H * es + T * H * es + map_bytes + probs.numel() * 4
+    rows.append(Row(f"{name} unpermute", u_us, u_sp, un_bytes, ub_us, "gather+sum", verdict))
+
+    # unpermute backward (dy and dprobs)
+    dout = torch.randn(T, H, device=device).to(dt)
+    dy, dp = ops.moe_unpermute_backward(dout, y, p.row_id_map, probs)
+    wdy, wdp = torch_unpermute_bwd(dout, y, p.row_id_map.long(), probs)
+    ok = torch.equal(dy, wdy) and torch.allclose(dp, wdp, rtol=1e-3, atol=1e-2)
+    b_us, b_sp = time_us(lambda: ops.moe_unpermute_backward(dout, y, p.row_id_map, probs), device, **it)
+    bb_us, _ = time_us(lambda: torch_unpermute_bwd(dout, y, p.row_id_map.long(), probs), device, **it)
+    bw_bytes = T * H * es + 2 * num_out * H * es + map_bytes + 2 * probs.numel() * 4
+    rows.append(Row(f"{name} unpermute bwd", b_us, b_sp, bw_bytes, bb_us, "index_copy",
+                    "exact dy" if ok else "FAIL"))
+    return rows
+
+
+def run(device: str, quick: bool = False) -> dict:
+    copy = copy_bandwidth_gbs(device)
+    print(f"\ncopy bandwidth (read + write): {copy:.0f} GB/s")
+    if device == "cuda":
+        cases = [("T16k H4096 2/8", 16384, 4096, 2, 8, {}),
+                 ("T64k H2048 8/64", 65536, 2048, 8, 64, {}),
+                 ("T16k H2048 2-expert", 16384, 2048, 1, 2, dict(skew=0.25)),  # 25% action tokens
+                 ("T8k H4096 8/64 drop", 8192, 4096, 8, 64, dict(drop=0.9))]  # T*K = 64K, 10% dropped
+    else:
+        cases = [("T1k H256 2/8", 1024, 256, 2, 8, {}), ("T1k H256 2-expert", 1024, 256, 1, 2, dict(skew=0.25))]
+    rows = []
+    for name, T, H, K, E, kw in cases:
+        rows += _case(name, T, H, K, E, device, quick, **kw)
+    print_table("moe (bf16; speedup = PyTorch time / mmfuse time)", rows, copy)
+    for r in rows:
+        if r.nbytes is None:
+            print(f"moe {r.name}: {r.us:.1f} us")
+        elif device == "cuda":
+            print(f"moe {r.name}: {100 * r.nbytes / (r.us * 1e-6) / 1e9 / copy:.1f}% of copy")
+    return dict(copy_gbs=copy, rows=[r.__dict__ for r in rows],
+                all_verified=all(not r.verified.startswith("FAIL") for r in rows))

@@ -1,0 +1,697 @@
+// CUDA backend of the MoE routing.
+//
+// Plan: a stable counting sort of the flattened expert ids in two launches. The entries are cut into
+// C chunks (one block each). The first launch writes each chunk's histogram to the workspace. The
+// second launch: every block sums the histogram columns (its chunk's offset within each expert, and
+// the expert totals), scans the totals into expert offsets, then walks its chunk twice, a warp per
+// contiguous part: once to count each warp's ids, once to rank each entry among the equal ids of its
+// warp (warp-aggregated: __match_any_sync, or two ballots for two experts), so that an entry's
+// destination is offset(expert) + chunk offset + warp offset + rank. No atomics on global memory, no
+// host sync, deterministic; ids out of range stop the kernel with a message (reported after the hot
+// loops, so that the reporting call does not cost the loops registers).
+//
+// Data movement is token-centric so that each input row is read once: permute reads x[t] and writes
+// its K destination rows; unpermute reads the K rows of token t and writes out[t]; the backward reads
+// dout[t] once and writes K rows of dy. Rows move as 16-byte vectors when their size and alignment
+// allow (8, 4, 2, 1 otherwise); sums are fp32 (fp64 for fp64) in k order with explicit rounding.
+// The backward also marks each row it writes in a bitmap (caller workspace, cleared first); a last
+// small launch zeroes the rows no entry maps to.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cub/block/block_scan.cuh>
+
+#include "common/cuda_check.h"
+#include "common/dispatch.h"
+#include "cuda/device_util.cuh"
+#include "cuda/numerics.cuh"
+#include "mmfuse/moe.h"
+
+namespace mmfuse {
+namespace detail {
+namespace {
+
+using cuda::dcompute;
+using cuda::device_type;
+using cuda::IndexRef;
+using cuda::Vec;
+
+constexpr int kPlanWarps = 8, kPlanThreads = kPlanWarps * 32, kPlanItems = 4;
+static_assert(kPlanThreads * kPlanItems == 1024, "the tile of moe_plan_block_entries");
+
+// n / d for 0 <= n < 2^31 with a multiply-high (no integer division on the device).
+struct FastDiv {
+  uint32_t d = 1, m = 1, s = 0;
+  explicit FastDiv(uint32_t div = 1) : d(div) {
+    while ((uint64_t(1) << s) < d) ++s;
+    m = uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << s) - d)) / d + 1);
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, m) + n) >> s; }
+};
+
+struct MapRef {  // row_id_map [K, T] int32
+  const int32_t* p;
+  int64_t s0, s1;
+  __device__ int32_t operator()(int64_t k, int64_t t) const { return p[k * s0 + t * s1]; }
+};
+MapRef map_ref(const TensorView& m) { return {static_cast<const int32_t*>(m.data), m.stride[0], m.stride[1]}; }
+
+struct PlanArgs {
+  IndexRef idx;
+  FastDiv K;
+  int32_t TK, E, n, per_block, C;
+  bool contiguous;  // indices [T, K] row-major: entry i at offset i
+  int32_t* hist;    // [C][E]
+  int32_t* map;
+  int64_t map_s0, map_s1;
+  int64_t* counts;
+  int64_t counts_s;
+  int32_t* d2s;
+  int64_t d2s_s;
+};
+
+// (Scalars only: a reference to the kernel's parameter struct would copy it to local memory.)
+__device__ __noinline__ void bad_expert(uint32_t t, uint32_t k, int64_t e, int32_t E) {
+  MMFUSE_DEVICE_FAIL("moe_plan: indices[%u][%u] = %lld: expected an expert id in [0, %d)", t, k, (long long)e, E);
+}
+
+__device__ __forceinline__ int expert_of(const PlanArgs& a, int32_t i) {
+  int64_t e;
+  if (a.contiguous) {
+    e = a.idx.i64 ? static_cast<const int64_t*>(a.idx.p)[i] : static_cast<const int32_t*>(a.idx.p)[i];
+  } else {
+    const uint32_t t = a.K.div(uint32_t(i)), k = uint32_t(i) - t * a.K.d;
+    e = a.idx(t, k);
+  }
+  if (e < 0 || e >= a.E) {
+    const uint32_t t = a.K.div(uint32_t(i));
+    bad_expert(t, uint32_t(i) - t * a.K.d, e, a.E);
+  }
+  return int(e);
+}
+
+// The lanes of this warp holding the same id as this lane (invalid lanes hold -1).
+template <bool kTwo>
+__device__ __forceinline__ unsigned peers_of(int e) {
+  if constexpr (kTwo) {
+    const unsigned one = __ballot_sync(0xffffffffu, e == 1), zero = __ballot_sync(0xffffffffu, e == 0);
+    return e == 1 ? one : e == 0 ? zero : 0u;
+  } else {
+    return __match_any_sync(0xffffffffu, e);
+  }
+}
+
+// The part of block c's chunk that warp w walks, [lo, hi): whole tiles of 32 * kPlanItems entries.
+__device__ __forceinline__ void warp_part(const PlanArgs& a, int32_t c, int w, int32_t& lo, int32_t& hi) {
+  const int32_t part = a.per_block / kPlanWarps;
+  lo = min(c * a.per_block + w * part, a.TK);
+  hi = min(lo + part, a.TK);
+}
+
+// The ids of the tile at base (entries base + u * 32 + lane; -1 past hi), loaded together.
+__device__ __forceinline__ void load_ids(const PlanArgs& a, int32_t base, int32_t hi, int (&e)[kPlanItems]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int u = 0; u < kPlanItems; ++u) {
+    const int32_t i = base + u * 32 + lane;
+    e[u] = i < hi ? expert_of(a, i) : -1;
+  }
+}
+
+// Adds a tile's ids to cnt (this warp's row of counters, in shared memory).
+template <bool kTwo>
+__device__ __forceinline__ void count_tile(const int (&e)[kPlanItems], int32_t* cnt) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int u = 0; u < kPlanItems; ++u) {
+    const unsigned peers = peers_of<kTwo>(e[u]);
+    if (e[u] >= 0 && lane == __ffs(peers) - 1) cnt[e[u]] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+template <bool kTwo>
+__global__ void __launch_bounds__(kPlanThreads) moe_count_kernel(PlanArgs a) {
+  extern __shared__ int32_t sm[];  // [kPlanWarps][E]
+  const int w = threadIdx.x >> 5;
+  int32_t lo, hi;
+  warp_part(a, blockIdx.x, w, lo, hi);
+  int e[kPlanItems];
+  if (lo < hi) load_ids(a, lo, hi, e);  // first tile in flight while the counters are cleared
+  for (int32_t j = threadIdx.x; j < kPlanWarps * a.E; j += blockDim.x) sm[j] = 0;
+  __syncthreads();
+  for (int32_t base = lo; base < hi; base += 32 * kPlanItems) {
+    if (base != lo) load_ids(a, base, hi, e);
+    count_tile<kTwo>(e, sm + w * a.E);
+  }
+  __syncthreads();
+  for (int32_t x = threadIdx.x; x < a.E; x += blockDim.x) {
+    int32_t s = 0;
+#pragma unroll
+    for (int v = 0; v < kPlanWarps; ++v) s += sm[v * a.E + x];
+    a.hist[blockIdx.x * a.E + x] = s;
+  }
+}
+
+template <bool kTwo>
+__global__ void __launch_bounds__(kPlanThreads) moe_rank_kernel(PlanArgs a) {
+  extern __shared__ int32_t sm[];  // cnt [kPlanWarps][E], pre [E], tot [E]
+  const int32_t E = a.E, c = blockIdx.x;
+  int32_t* cnt = sm;
+  int32_t* pre = sm + kPlanWarps * E;
+  int32_t* tot = pre + E;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int32_t lo, hi;
+  warp_part(a, c, w, lo, hi);
+  const bool one_tile = hi - lo <= 32 * kPlanItems;  // then the ids stay in registers for both walks
+  int e[kPlanItems];
+  if (lo < hi) load_ids(a, lo, hi, e);
+  for (int32_t j = threadIdx.x; j < (kPlanWarps + 2) * E; j += blockDim.x) sm[j] = 0;
+  __syncthreads();
+  // column sums of the chunk histograms: groups of threads split the chunks of each expert
+  const int32_t G = E >= kPlanThreads ? 1 : kPlanThreads / E;
+  for (int32_t j = threadIdx.x; j < E * G; j += blockDim.x) {
+    const int32_t x = j % E, g = j / E;
+    int32_t p = 0, s = 0;
+#pragma unroll 8
+    for (int32_t q = g; q < a.C; q += G) {
+      const int32_t h = a.hist[q * E + x];
+      s += h;
+      p += q < c ? h : 0;
+    }
+    atomicAdd(&pre[x], p);
+    atomicAdd(&tot[x], s);
+  }
+  // warp counts of this chunk
+  for (int32_t base = lo; base < hi; base += 32 * kPlanItems) {
+    if (base != lo) load_ids(a, base, hi, e);
+    count_tile<kTwo>(e, cnt + w * E);
+  }
+  __syncthreads();
+  // expert offsets: an exclusive scan of the totals, kPlanThreads experts at a time; then each warp's
+  // first destination of every expert
+  using Scan = cub::BlockScan<int32_t, kPlanThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  int32_t carry = 0;
+  for (int32_t e0 = 0; e0 < E; e0 += kPlanThreads) {
+    const int32_t x = e0 + threadIdx.x;
+    const int32_t v = x < E ? tot[x] : 0;
+    int32_t ex, sum;
+    Scan(scan_tmp).ExclusiveSum(v, ex, sum);
+    const int32_t base = carry + ex;
+    if (x < E) {
+      if (c == 0) a.counts[x * a.counts_s] = min(base + v, a.n) - min(base, a.n);
+      int32_t run = base + pre[x];
+#pragma unroll
+      for (int v2 = 0; v2 < kPlanWarps; ++v2) {
+        const int32_t n_w = cnt[v2 * E + x];
+        cnt[v2 * E + x] = run;
+        run += n_w;
+      }
+    }
+    carry += sum;
+    __syncthreads();  // scan_tmp is reused
+  }
+  // rank and write
+  const unsigned lt = (1u << lane) - 1u;
+  int32_t* mine = cnt + w * E;
+  for (int32_t base = lo; base < hi; base += 32 * kPlanItems) {
+    if (!one_tile) load_ids(a, base, hi, e);
+#pragma unroll
+    for (int u = 0; u < kPlanItems; ++u) {
+      const unsigned peers = peers_of<kTwo>(e[u]);
+      const int32_t dst = e[u] >= 0 ? mine[e[u]] + __popc(peers & lt) : 0;
+      __syncwarp();
+      if (e[u] >= 0) {
+        if (lane == __ffs(peers) - 1) mine[e[u]] += __popc(peers);
+        const int32_t i = base + u * 32 + lane;
+        const uint32_t t = a.K.div(uint32_t(i)), k = uint32_t(i) - t * a.K.d;
+        const bool kept = dst < a.n;
+        a.map[k * a.map_s0 + t * a.map_s1] = kept ? dst : -1;
+        if (kept) a.d2s[int64_t(dst) * a.d2s_s] = i;
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// ---- row movement ----
+
+template <int B>
+struct Bytes;
+template <> struct Bytes<16> { using type = uint4; };
+template <> struct Bytes<8> { using type = uint2; };
+template <> struct Bytes<4> { using type = uint32_t; };
+template <> struct Bytes<2> { using type = uint16_t; };
+template <> struct Bytes<1> { using type = uint8_t; };
+
+// A read-only (non-coherent cache) load of a trivially copyable value of 1, 2, 4, 8 or 16 bytes.
+template <class T>
+__device__ __forceinline__ T load_ro(const T* p) {
+  const auto u = __ldg(reinterpret_cast<const typename Bytes<int(sizeof(T))>::type*>(p));
+  T v;
+  memcpy(&v, &u, sizeof(T));
+  return v;
+}
+
+// The widest access (bytes) dividing every row's size, stride and base address.
+int vec_bytes(int64_t row_bytes, std::initializer_list<std::pair<const void*, int64_t>> rows) {
+  for (int b : {16, 8, 4, 2}) {
+    bool ok = row_bytes % b == 0;
+    for (const auto& [p, stride_bytes] : rows)
+      ok = ok && reinterpret_cast<uintptr_t>(p) % b == 0 && stride_bytes % b == 0;
+    if (ok) return b;
+  }
+  return 1;
+}
+
+template <class F>
+void dispatch_vec(int b, F&& f) {
+  switch (b) {
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
+  }
+}
+
+// The first bad row_id_map entry a thread met. Threads skip bad entries (no out-of-bounds access)
+// and report at their end, so that the reporting call stays out of the hot loop's registers.
+struct BadEntry {
+  int64_t k = 0, t = -1;
+};
+
+__device__ __noinline__ void bad_row(const char* op, MapRef m, int64_t k, int64_t t, int64_t rows) {
+  MMFUSE_DEVICE_FAIL("%s: row_id_map[%lld][%lld] = %d: expected -1 or a row in [0, %lld)", op, (long long)k,
+                     (long long)t, m(k, t), (long long)rows);
+}
+
+// Rows of token t's k-group (-1 past K; bad entries recorded and read as -1).
+template <int KG>
+__device__ __forceinline__ void load_rows(const MapRef& m, int64_t k0, int64_t K, int64_t t, int64_t rows,
+                                          int32_t (&r)[KG], BadEntry& bad) {
+#pragma unroll
+  for (int kk = 0; kk < KG; ++kk) {
+    r[kk] = k0 + kk < K ? m(k0 + kk, t) : -1;
+    if (r[kk] < -1 || r[kk] >= rows) {
+      if (bad.t < 0) bad = {k0 + kk, t};
+      r[kk] = -1;
+    }
+  }
+}
+
+int sm_count() {
+  int dev = 0, sms = 0;
+  MMFUSE_CUDA_CHECK(cudaGetDevice(&dev));
+  MMFUSE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+constexpr int kFlatThreads = 256, kPermUnroll = 4;
+
+// Blocks for a flattened kernel over `work` items, `per_thread` each: enough to fill the GPU, then loop.
+unsigned flat_blocks(int64_t work, int per_thread) {
+  const int sms = sm_count();
+  const int64_t per_block = int64_t(kFlatThreads) * per_thread;
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>((work + per_block - 1) / per_block, int64_t(sms) * 16)));
+}
+
+// Vector j of a flattened [rows, V] walk: (row, col), with a multiply-high division when the walk is
+// below 2^31 vectors (kSmall), a 64-bit one otherwise.
+template <bool kSmall>
+__device__ __forceinline__ void row_col(int64_t j, uint32_t V, const FastDiv& dv, int64_t& row, int64_t& col) {
+  if constexpr (kSmall) {
+    const uint32_t r = dv.div(uint32_t(j));
+    row = r;
+    col = int64_t(uint32_t(j) - r * V);
+  } else {
+    row = j / V;
+    col = j - row * V;
+  }
+}
+
+// out[map[k][t]] = x[t]: thread j moves vector j % V of token j / V to its K rows; each x row is
+// read once. kPermUnroll vectors a thread are loaded before any store.
+template <int B, bool kSmall>
+__global__ void __launch_bounds__(kFlatThreads) moe_permute_kernel(const char* __restrict__ x, int64_t xs,
+                                                                   char* __restrict__ out, int64_t os, int64_t N,
+                                                                   MapRef map, int64_t T, int64_t K, uint32_t V,
+                                                                   FastDiv dv) {
+  using U = typename Bytes<B>::type;
+  const int64_t total = T * V, step = int64_t(gridDim.x) * kFlatThreads * kPermUnroll;
+  BadEntry bad;
+  for (int64_t j0 = int64_t(blockIdx.x) * kFlatThreads * kPermUnroll + threadIdx.x; j0 < total; j0 += step) {
+    U v[kPermUnroll];
+    int64_t t[kPermUnroll], col[kPermUnroll];
+#pragma unroll
+    for (int u = 0; u < kPermUnroll; ++u) {
+      const int64_t j = j0 + int64_t(u) * kFlatThreads;
+      t[u] = -1;
+      if (j < total) {
+        row_col<kSmall>(j, V, dv, t[u], col[u]);
+        v[u] = __ldg(reinterpret_cast<const U*>(x + t[u] * xs) + col[u]);
+      }
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      int32_t r[kPermUnroll][1];
+#pragma unroll
+      for (int u = 0; u < kPermUnroll; ++u) {
+        r[u][0] = -1;
+        if (t[u] >= 0) load_rows<1>(map, k, K, t[u], N, r[u], bad);
+      }
+#pragma unroll
+      for (int u = 0; u < kPermUnroll; ++u)
+        if (r[u][0] >= 0) reinterpret_cast<U*>(out + int64_t(r[u][0]) * os)[col[u]] = v[u];
+    }
+  }
+  if (bad.t >= 0) bad_row("moe_permute", map, bad.k, bad.t, N);
+}
+
+// out[t] = sum_k w[t,k] * y[map[k][t]]: thread j sums vector j % V of token j / V (R vectors a
+// thread), KG rows at a time, all loads of a group in flight together; fp32 (fp64) in k order.
+template <class S, int VEC, int KG, int R, bool kSmall>
+__global__ void __launch_bounds__(kFlatThreads) moe_unpermute_kernel(const S* __restrict__ y, int64_t ys, int64_t N,
+                                                                     S* __restrict__ out, int64_t os, MapRef map,
+                                                                     const float* __restrict__ probs, int64_t ps0,
+                                                                     int64_t ps1, int64_t T, int64_t K, uint32_t V,
+                                                                     FastDiv dv) {
+  using C = typename dcompute<S>::type;
+  using W = Vec<S, VEC>;
+  const int64_t total = T * V, step = int64_t(gridDim.x) * kFlatThreads * R;
+  BadEntry bad;
+  for (int64_t j0 = int64_t(blockIdx.x) * kFlatThreads * R + threadIdx.x; j0 < total; j0 += step) {
+    int64_t t[R], col[R];
+    C acc[R][VEC];
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+      const int64_t j = j0 + int64_t(u) * kFlatThreads;
+      t[u] = -1;
+      if (j < total) row_col<kSmall>(j, V, dv, t[u], col[u]);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[u][e] = C(0);
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += KG) {
+      int32_t r[R][KG];
+      W v[R][KG];
+#pragma unroll
+      for (int u = 0; u < R; ++u) {
+#pragma unroll
+        for (int kk = 0; kk < KG; ++kk) r[u][kk] = -1;
+        if (t[u] >= 0) load_rows<KG>(map, k0, K, t[u], N, r[u], bad);
+#pragma unroll
+        for (int kk = 0; kk < KG; ++kk)
+          if (r[u][kk] >= 0) v[u][kk] = load_ro(reinterpret_cast<const W*>(y + int64_t(r[u][kk]) * ys) + col[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < R; ++u)
+#pragma unroll
+        for (int kk = 0; kk < KG; ++kk) {
+          if (r[u][kk] < 0) continue;
+          const C w = probs ? C(probs[t[u] * ps0 + (k0 + kk) * ps1]) : C(1);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e)
+            acc[u][e] = cuda::add_rn(acc[u][e], cuda::mul_rn(w, C(cuda::dload(v[u][kk].v[e]))));
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+      if (t[u] < 0) continue;
+      W o;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) o.v[e] = cuda::dstore<S>(acc[u][e]);
+      reinterpret_cast<W*>(out + t[u] * os)[col[u]] = o;
+    }
+  }
+  if (bad.t >= 0) bad_row("moe_unpermute", map, bad.k, bad.t, N);
+}
+
+__device__ __noinline__ void duplicate_row(int32_t r) {
+  MMFUSE_DEVICE_FAIL("moe_unpermute_backward: row_id_map: row %d is the destination of two entries", r);
+}
+
+// Backward of unpermute. Block: x threads over a row's vectors, y over tokens (blockDim.y tokens at
+// a time). dy[row(t,k)] = w * dout[t]; dprobs[t,k] = dot(dout[t], y[row(t,k)]): per-thread sums,
+// then warp sums, then the warps of the token in order (deterministic). Every row written is marked
+// in the bitmap `covered` (two entries on one row: an error), for the zeroing of the others.
+template <class S, int VEC, int KG>
+__global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
+    const S* __restrict__ dout, int64_t gs, const S* __restrict__ y, int64_t ys, S* __restrict__ dy, int64_t dys,
+    int64_t N, MapRef map, const float* __restrict__ probs, int64_t ps0, int64_t ps1, float* __restrict__ dprobs,
+    int64_t dps0, int64_t dps1, uint32_t* __restrict__ covered, int64_t T, int64_t K, uint32_t V) {
+  using C = typename dcompute<S>::type;
+  using W = Vec<S, VEC>;
+  constexpr int kMaxWarps = 8;
+  __shared__ C partial[kMaxWarps][KG];  // [warp of the block][kk]
+  const int lane = threadIdx.x & 31, wx = threadIdx.x >> 5, warps_x = blockDim.x >> 5;
+  const int64_t step = int64_t(gridDim.x) * blockDim.y;
+  BadEntry bad;
+  int32_t dup = -1;  // a row this thread found marked already
+  for (int64_t tb = int64_t(blockIdx.x) * blockDim.y; tb < T; tb += step) {
+    const int64_t t = tb + threadIdx.y;
+    const bool active = t < T;
+    for (int64_t k0 = 0; k0 < K; k0 += KG) {
+      int32_t r[KG];
+      C w[KG], dot[KG];
+      if (active) {
+        load_rows<KG>(map, k0, K, t, N, r, bad);
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < KG; ++kk) r[kk] = -1;
+      }
+      // lane kk of the token's first warp marks entry kk's row (the old bits are checked at the end)
+      uint32_t old = 0, bit = 0;
+      int32_t mine = -1;
+      if (threadIdx.x < KG && active && k0 + threadIdx.x < K) {
+        mine = map(k0 + threadIdx.x, t);
+        if (mine >= 0 && mine < N) {
+          bit = 1u << (mine & 31);
+          old = atomicOr(&covered[mine >> 5], bit);
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < KG; ++kk) {
+        w[kk] = probs && r[kk] >= 0 ? C(probs[t * ps0 + (k0 + kk) * ps1]) : C(1);
+        dot[kk] = C(0);
+      }
+      for (uint32_t col = threadIdx.x; col < V; col += blockDim.x) {
+        if (!active) break;
+        const W g = load_ro(reinterpret_cast<const W*>(dout + t * gs) + col);
+        W v[KG];
+        if (dprobs) {
+#pragma unroll
+          for (int kk = 0; kk < KG; ++kk)
+            if (r[kk] >= 0) v[kk] = load_ro(reinterpret_cast<const W*>(y + int64_t(r[kk]) * ys) + col);
+        }
+#pragma unroll
+        for (int kk = 0; kk < KG; ++kk) {
+          if (r[kk] < 0) continue;
+          W d;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) d.v[e] = cuda::dstore<S>(cuda::mul_rn(w[kk], C(cuda::dload(g.v[e]))));
+          reinterpret_cast<W*>(dy + int64_t(r[kk]) * dys)[col] = d;
+          if (dprobs) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+              dot[kk] = cuda::add_rn(dot[kk], cuda::mul_rn(C(cuda::dload(g.v[e])), C(cuda::dload(v[kk].v[e]))));
+          }
+        }
+      }
+      if (dprobs) {
+#pragma unroll
+        for (int kk = 0; kk < KG; ++kk) {
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) dot[kk] = cuda::add_rn(dot[kk], __shfl_xor_sync(0xffffffffu, dot[kk], o));
+        }
+        if (lane == 0) {
+#pragma unroll
+          for (int kk = 0; kk < KG; ++kk) partial[threadIdx.y * warps_x + wx][kk] = dot[kk];
+        }
+        __syncthreads();
+        if (threadIdx.x < KG && active && k0 + threadIdx.x < K) {
+          C sum = C(0);
+          for (int v = 0; v < warps_x; ++v) sum = cuda::add_rn(sum, partial[threadIdx.y * warps_x + v][threadIdx.x]);
+          dprobs[t * dps0 + (k0 + threadIdx.x) * dps1] = mine >= 0 ? float(sum) : 0.0f;
+        }
+        __syncthreads();
+      }
+      if (old & bit) dup = mine;
+    }
+  }
+  if (bad.t >= 0) bad_row("moe_unpermute_backward", map, bad.k, bad.t, N);
+  if (dup >= 0) duplicate_row(dup);
+}
+
+// Zeroes the rows of dy no entry mapped to: a block looks at 256 rows' bits, then clears those rows.
+template <int B>
+__global__ void __launch_bounds__(256) moe_zero_rows_kernel(const uint32_t* __restrict__ covered, char* __restrict__ dy,
+                                                            int64_t dys, int64_t N, uint32_t V) {
+  using U = typename Bytes<B>::type;
+  __shared__ int32_t rows[256];
+  __shared__ int n_rows;
+  for (int64_t r0 = int64_t(blockIdx.x) * 256; r0 < N; r0 += int64_t(gridDim.x) * 256) {
+    if (threadIdx.x == 0) n_rows = 0;
+    __syncthreads();
+    const int64_t r = r0 + threadIdx.x;
+    if (r < N && !((covered[r >> 5] >> (r & 31)) & 1u)) rows[atomicAdd(&n_rows, 1)] = int32_t(r);
+    __syncthreads();
+    for (int i = 0; i < n_rows; ++i) {
+      U* row = reinterpret_cast<U*>(dy + int64_t(rows[i]) * dys);
+      for (uint32_t c = threadIdx.x; c < V; c += blockDim.x) row[c] = U{};
+    }
+    __syncthreads();
+  }
+}
+
+void set_smem(const void* kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    MMFUSE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+}  // namespace
+
+void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map, TensorView& counts, TensorView& d2s,
+                   TensorView& ws, cudaStream_t stream) {
+  const int64_t T = idx.shape[0], K = idx.shape[1], TK = T * K;  // TK < 2^31, E <= 4096: checked
+  PlanArgs a;
+  a.idx = cuda::index_ref(idx);
+  a.K = FastDiv(uint32_t(std::max<int64_t>(K, 1)));
+  a.contiguous = idx.stride[1] == 1 && idx.stride[0] == K;
+  a.TK = int32_t(TK);
+  a.E = int32_t(E);
+  a.n = int32_t(n);
+  a.per_block = int32_t(moe_plan_block_entries(TK, E));
+  a.C = int32_t(std::max<int64_t>(1, (TK + a.per_block - 1) / a.per_block));
+  a.hist = static_cast<int32_t*>(ws.data);
+  a.map = static_cast<int32_t*>(map.data);
+  a.map_s0 = map.stride[0];
+  a.map_s1 = map.stride[1];
+  a.counts = static_cast<int64_t*>(counts.data);
+  a.counts_s = counts.stride[0];
+  a.d2s = static_cast<int32_t*>(d2s.data);
+  a.d2s_s = d2s.ndim ? d2s.stride[0] : 1;
+  const size_t smem_count = size_t(kPlanWarps) * E * 4, smem_rank = size_t(kPlanWarps + 2) * E * 4;
+  auto go = [&](auto two) {
+    constexpr bool kTwo = decltype(two)::value;
+    set_smem(reinterpret_cast<const void*>(&moe_count_kernel<kTwo>), smem_count);
+    set_smem(reinterpret_cast<const void*>(&moe_rank_kernel<kTwo>), smem_rank);
+    moe_count_kernel<kTwo><<<unsigned(a.C), kPlanThreads, smem_count, stream>>>(a);
+    MMFUSE_CUDA_CHECK_LAUNCH("moe_count_kernel");
+    moe_rank_kernel<kTwo><<<unsigned(a.C), kPlanThreads, smem_rank, stream>>>(a);
+    MMFUSE_CUDA_CHECK_LAUNCH("moe_rank_kernel");
+  };
+  if (E <= 2)
+    go(std::true_type{});
+  else
+    go(std::false_type{});
+}
+
+void moe_permute_cuda(const TensorView& x, const TensorView& map, TensorView& out, cudaStream_t stream) {
+  const int64_t T = x.shape[0], H = x.shape[1], K = map.shape[0], N = out.shape[0];
+  const int64_t es = int64_t(dtype_size(x.dtype)), row = H * es;
+  if (T == 0 || H == 0 || K == 0) return;
+  const int b = vec_bytes(row, {{x.data, x.stride[0] * es}, {out.data, out.stride[0] * es}});
+  const uint32_t V = uint32_t(row / b);
+  const bool small = T * V < (int64_t(1) << 31);
+  dispatch_vec(b, [&](auto bc) {
+    constexpr int B = decltype(bc)::value;
+    auto kernel = small ? &moe_permute_kernel<B, true> : &moe_permute_kernel<B, false>;
+    kernel<<<flat_blocks(T * V, kPermUnroll), kFlatThreads, 0, stream>>>(
+        static_cast<const char*>(x.data), x.stride[0] * es, static_cast<char*>(out.data), out.stride[0] * es, N,
+        map_ref(map), T, K, V, FastDiv(V));
+    MMFUSE_CUDA_CHECK_LAUNCH("moe_permute_kernel");
+  });
+}
+
+// Calls f(TypeTag<S>, VEC) with the widest vector of S that the rows allow.
+template <class F>
+void dispatch_rows(DType dt, const char* what, int64_t H, std::initializer_list<std::pair<const void*, int64_t>> rows,
+                   F&& f) {
+  dispatch_floating(dt, what, [&](auto tag) {
+    using S = typename std::decay_t<decltype(tag)>::type;
+    using D = typename device_type<S>::type;
+    const int b = std::max<int>(vec_bytes(H * int64_t(sizeof(S)), rows), int(sizeof(S)));
+    dispatch_vec(b, [&](auto bc) {
+      constexpr int VEC = decltype(bc)::value / int(sizeof(S));
+      if constexpr (VEC >= 1) f(TypeTag<D>{}, std::integral_constant<int, VEC>{});
+    });
+  });
+}
+
+void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const TensorView& probs, TensorView& out,
+                        cudaStream_t stream) {
+  const int64_t K = map.shape[0], T = map.shape[1], H = y.shape[1], N = y.shape[0];
+  const int64_t es = int64_t(dtype_size(y.dtype));
+  if (T == 0 || H == 0) return;
+  dispatch_rows(y.dtype, "moe_unpermute: y", H, {{y.data, y.stride[0] * es}, {out.data, out.stride[0] * es}},
+                [&](auto tag, auto vc) {
+                  using D = typename std::decay_t<decltype(tag)>::type;
+                  constexpr int VEC = std::decay_t<decltype(vc)>::value;
+                  const uint32_t V = uint32_t(H / VEC);
+                  const float* p = static_cast<const float*>(probs.data);
+                  // up to four rows in flight a thread: KG rows of R vectors
+                  auto launch = [&](auto kg, auto rr) {
+                    constexpr int KG = decltype(kg)::value, R = decltype(rr)::value;
+                    auto kernel = T * V < (int64_t(1) << 31) ? &moe_unpermute_kernel<D, VEC, KG, R, true>
+                                                             : &moe_unpermute_kernel<D, VEC, KG, R, false>;
+                    kernel<<<flat_blocks(T * V, R), kFlatThreads, 0, stream>>>(
+                        static_cast<const D*>(y.data), y.stride[0], N, static_cast<D*>(out.data), out.stride[0],
+                        map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V, FastDiv(V));
+                  };
+                  if (K == 1)
+                    launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{});
+                  else if (K == 2)
+                    launch(std::integral_constant<int, 2>{}, std::integral_constant<int, 1>{});
+                  else
+                    launch(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
+                  MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_kernel");
+                });
+}
+
+void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, const TensorView& map,
+                                 const TensorView& probs, TensorView& dy, TensorView& dprobs, TensorView& ws,
+                                 cudaStream_t stream) {
+  const int64_t K = map.shape[0], T = map.shape[1], H = y.shape[1], N = y.shape[0];
+  const int64_t es = int64_t(dtype_size(y.dtype));
+  uint32_t* covered = static_cast<uint32_t*>(ws.data);
+  MMFUSE_CUDA_CHECK(cudaMemsetAsync(covered, 0, size_t(moe_unpermute_backward_workspace_size(N)) * 4, stream));
+  dispatch_rows(
+      y.dtype, "moe_unpermute_backward: y", H,
+      {{y.data, y.stride[0] * es}, {dout.data, dout.stride[0] * es}, {dy.data, dy.stride[0] * es}},
+      [&](auto tag, auto vc) {
+        using D = typename std::decay_t<decltype(tag)>::type;
+        constexpr int VEC = std::decay_t<decltype(vc)>::value;
+        const uint32_t V = uint32_t(H / VEC);
+        const float* p = static_cast<const float*>(probs.data);
+        float* dp = static_cast<float*>(dprobs.data);
+        if (T > 0 && K > 0) {
+          // blocks of 256 threads: x over a row's vectors (32..256), y over tokens; a 1-D grid over tokens
+          uint32_t bx = 32;
+          while (bx < V && bx < 256) bx *= 2;
+          const dim3 block(bx, 256 / bx);
+          const dim3 grid(unsigned(std::min<int64_t>((T + block.y - 1) / block.y, int64_t(1) << 20)));
+          auto launch = [&](auto kg) {
+            constexpr int KG = decltype(kg)::value;
+            moe_unpermute_bwd_kernel<D, VEC, KG><<<grid, block, 0, stream>>>(
+                static_cast<const D*>(dout.data), dout.stride[0], static_cast<const D*>(y.data), y.stride[0],
+                static_cast<D*>(dy.data), dy.stride[0], N, map_ref(map), p, p ? probs.stride[0] : 0,
+                p ? probs.stride[1] : 0, dp, dp ? dprobs.stride[0] : 0, dp ? dprobs.stride[1] : 0, covered, T, K, V);
+          };
+          if (K == 1)
+            launch(std::integral_constant<int, 1>{});
+          else
+            launch(std::integral_constant<int, 2>{});
+          MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_bwd_kernel");
+        }
+        if (N > 0 && H > 0) {
+          constexpr int B = VEC * int(sizeof(D));
+          const unsigned grid = unsigned(std::min<int64_t>((N + 255) / 256, int64_t(1) << 20));
+          moe_zero_rows_kernel<B><<<grid, 256, 0, stream>>>(covered, static_cast<char*>(dy.data),
+                                                            dy.stride[0] * es, N, V);
+          MMFUSE_CUDA_CHECK_LAUNCH("moe_zero_rows_kernel");
+        }
+      });
+}
+
+}  // namespace detail
+}  // namespace mmfuse

@@ -1,0 +1,290 @@
+"""MoE routing ops on the CPU and CUDA against a float64 reference (stable argsort + gather + weighted
+sum): K in {1, 2, 4, 8}, E in {2, 8, 64, 256}, dropping, T = 0 and 1, odd H, dtypes; CUDA equal to the
+CPU bitwise (dprobs to fp32 rounding), deterministic; gradcheck, opcheck, torch.compile, CUDA graphs, no
+host syncs, bad input (on the GPU: a device-side assertion, in a child process); the seed's functions."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mmfuse
+from mmfuse import backend
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def _reference(x, indices, probs, num_out):
+    T, K = indices.shape
+    flat = indices.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    n = num_out or T * K
+    kept = order[:n]
+    rows = x.double()[kept // K]
+    row_id_map = torch.full((T * K,), -1, dtype=torch.long)
+    row_id_map[kept] = torch.arange(n)
+    row_id_map = row_id_map.view(T, K).t()
+    w = torch.ones(T, K, dtype=torch.float64) if probs is None else probs.double()
+    out = torch.zeros(T, x.shape[1], dtype=torch.float64)
+    for k in range(K):
+        r = row_id_map[k]
+        keep = r >= 0
+        out[keep] += w[keep, k, None] * rows[r[keep]]
+    return rows, row_id_map, out
+
+
+def _indices(T, K, E, g):
+    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K,
+                                                                                                      dtype=torch.long)
+
+
+@pytest.mark.parametrize("K,E", [(1, 2), (2, 8), (4, 64), (8, 256), (2, 2)])
+@pytest.mark.parametrize("T", [0, 1, 37, 257])
+@pytest.mark.parametrize("drop", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_against_float64_reference(K, E, T, drop, device):
+    g = torch.Generator().manual_seed(T * 1000 + K * 10 + E)
+    H = 13
+    x = torch.randn(T, H, generator=g)
+    idx = _indices(T, K, E, g).to(torch.int32 if K % 2 else torch.int64)
+    probs = torch.rand(T, K, generator=g)
+    num_out = (T * K * 3) // 4 if drop else None
+    p = mmfuse.moe_permute(x.to(device), idx.to(device), E, num_out)
+    assert p.rows.device.type == p.row_id_map.device.type == p.counts.device.type == device
+    p = mmfuse.Permuted(*(t.cpu() for t in p))
+    rows, row_id_map, out = _reference(x, idx, probs, num_out)
+    assert torch.equal(p.rows.double(), rows) and torch.equal(p.row_id_map.long(), row_id_map)
+    assert torch.equal(p.counts, torch.bincount(idx.reshape(-1).long()[torch.argsort(idx.reshape(-1).long(),
+                                                stable=True)[:num_out or T * K]], minlength=E))
+    dev = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
+    got = mmfuse.moe_unpermute(*dev(p.rows, p.row_id_map, probs)).cpu()
+    torch.testing.assert_close(got.double(), out, rtol=1e-6, atol=1e-6)
+    # float64 inputs: the same k order, so exact
+    got64 = mmfuse.moe_unpermute(*dev(p.rows.double(), p.row_id_map, probs)).cpu()
+    assert torch.equal(got64, out)
+    ones = mmfuse.moe_unpermute(*dev(p.rows.double(), p.row_id_map)).cpu()  # no probs: weights 1, for K = 1 too
+    assert torch.equal(ones, _reference(x, idx, None, num_out)[2])
+
+
+def test_gradcheck_float64():
+    g = torch.Generator().manual_seed(0)
+    for K, drop in ((1, None), (2, None), (3, 7)):
+        x = torch.randn(5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+        idx = _indices(5, K, 4, g)
+        probs = torch.rand(5, K, dtype=torch.float32, generator=g)
+
+        def f(x, probs):
+            p = mmfuse.moe_permute(x, idx, 4, drop)
+            return mmfuse.moe_unpermute(p.rows * 2.0, p.row_id_map, probs)
+
+        torch.autograd.gradcheck(lambda x: f(x, probs), (x,))
+        # probs: float32 by contract; check its gradient against autograd of the reference
+        pr = probs.clone().requires_grad_(True)
+        f(x.detach(), pr).square().sum().backward()
+        pr2 = probs.double().clone().requires_grad_(True)
+        rows, row_id_map, _ = _reference(x.detach(), idx, None, drop)
+        out = torch.zeros(5, 6, dtype=torch.float64)
+        for k in range(K):
+            r = row_id_map[k]
+            keep = r >= 0
+            out[keep] = out[keep] + pr2[keep, k, None] * (2.0 * rows[r[keep]])
+        out.square().sum().backward()
+        torch.testing.assert_close(pr.grad.double(), pr2.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_opcheck_and_compile():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 16, generator=g)
+    idx = _indices(9, 2, 8, g)
+    probs = torch.rand(9, 2, generator=g)
+    torch.library.opcheck(torch.ops.mmfuse.moe_plan.default, (idx, 8, 0))
+    m, c, d = torch.ops.mmfuse.moe_plan(idx, 8, 0)
+    torch.library.opcheck(torch.ops.mmfuse.moe_permute.default, (x.requires_grad_(True), m, d.shape[0]))
+    y = torch.randn(18, 16, generator=g)
+    torch.library.opcheck(torch.ops.mmfuse.moe_unpermute.default, (y.requires_grad_(True), m, probs))
+    for want_dprobs in (True, False):
+        torch.library.opcheck(torch.ops.mmfuse.moe_unpermute_backward.default,
+                              (torch.randn(9, 16), y.detach(), m, probs, want_dprobs))
+
+    def f(x, idx, probs):
+        p = mmfuse.moe_permute(x, idx, 8)
+        return mmfuse.moe_unpermute(p.rows * 3, p.row_id_map, probs)
+
+    want = f(x.detach(), idx, probs)
+    assert torch.equal(torch.compile(f, fullgraph=True)(x.detach(), idx, probs), want)
+
+
+def test_bad_input():
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match=r"indices\[1\]\[0\] = 9: expected an expert id in \[0, 8\)"):
+        mmfuse.moe_permute(x, torch.tensor([[0], [9]]), 8)
+    with pytest.raises(ValueError, match=r"num_out_tokens: expected 0 \(all\) or in \[0, T\*K = 2\], got 5"):
+        mmfuse.moe_permute(x, torch.tensor([[0], [1]]), 8, 5)
+    p = mmfuse.moe_permute(x, torch.tensor([[0], [1]]), 8)
+    with pytest.raises(ValueError, match="probs: expected dtype float32, got float64"):
+        mmfuse.moe_unpermute(p.rows, p.row_id_map, torch.ones(2, 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"probs: expected shape \[2, 1\], got \[1, 2\]"):
+        mmfuse.moe_unpermute(p.rows, p.row_id_map, torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"row_id_map\[0\]\[1\] = 7: expected -1 or a row"):
+        mmfuse.moe_unpermute(p.rows, torch.tensor([[0, 7]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="row 0 is the destination of two entries"):
+        torch.ops.mmfuse.moe_unpermute_backward(x, p.rows, torch.tensor([[0, 0]], dtype=torch.int32), None)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="num_experts: expected at most 4096 on CUDA, got 5000"):
+            mmfuse.moe_permute(x.cuda(), torch.tensor([[0], [1]]).cuda(), 5000)
+        with pytest.raises(ValueError, match="row_id_map: expected a tensor on cuda:0"):
+            mmfuse.moe_unpermute(p.rows.cuda(), p.row_id_map)
+
+
+_DEVICE_ERRORS = [
+    ("mmfuse.moe_permute(torch.randn(3, 8).cuda(), torch.tensor([[0], [2], [9]]).cuda(), 4)",
+     "moe_plan: indices[2][0] = 9: expected an expert id in [0, 4)"),
+    ("mmfuse.moe_unpermute(torch.randn(4, 8).cuda(), torch.tensor([[0, 5]], dtype=torch.int32).cuda())",
+     "moe_unpermute: row_id_map[0][1] = 5: expected -1 or a row in [0, 4)"),
+    ("torch.ops.mmfuse.moe_unpermute_backward(torch.randn(2, 8).cuda(), torch.randn(4, 8).cuda(), "
+     "torch.tensor([[1, 1]], dtype=torch.int32).cuda(), None)", "row 1 is the destination of two entries"),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("call,message", _DEVICE_ERRORS)
+def test_cuda_bad_input_stops_with_a_message(call, message):
+    # a device-side assertion ends the CUDA context: run it in a child process
+    code = f"import torch, mmfuse\nout = {call}\ntorch.cuda.synchronize()\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode != 0
+    assert message in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
+def test_cuda_equals_cpu_at_model_size(dtype):
+    g = torch.Generator().manual_seed(5)
+    T, K, E, H = 4099, 2, 8, 2048 + 8  # odd T; rows of 16-byte vectors
+    x = torch.randn(T, H, generator=g).to(dtype)
+    idx = _indices(T, K, E, g)
+    probs = torch.rand(T, K, generator=g)
+    want = mmfuse.moe_permute(x, idx, E, T * K - 100)
+    got = mmfuse.moe_permute(x.cuda(), idx.cuda(), E, T * K - 100)
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == dtype else a, b.cpu().view(torch.uint8)
+               if b.dtype == dtype else b.cpu()) for a, b in zip(want, got))
+    if dtype == torch.float8_e4m3fn:
+        return
+    y = torch.randn(want.rows.shape, generator=g).to(dtype)
+    out_cpu = mmfuse.moe_unpermute(y, want.row_id_map, probs)
+    out_gpu = mmfuse.moe_unpermute(y.cuda(), got.row_id_map, probs.cuda())
+    assert torch.equal(out_cpu, out_gpu.cpu())  # same k order, explicit rounding: bitwise
+    dout = torch.randn(T, H, generator=g).to(dtype)
+    dy_c, dp_c = torch.ops.mmfuse.moe_unpermute_backward(dout, y, want.row_id_map, probs)
+    runs = [torch.ops.mmfuse.moe_unpermute_backward(dout.cuda(), y.cuda(), got.row_id_map, probs.cuda())
+            for _ in range(3)]
+    assert torch.equal(dy_c, runs[0][0].cpu())
+    torch.testing.assert_close(runs[0][1].cpu(), dp_c, rtol=1e-4, atol=1e-3)
+    assert all(torch.equal(r[1], runs[0][1]) and torch.equal(r[0], runs[0][0]) for r in runs)  # deterministic
+
+
+@needs_gpu
+def test_cuda_autograd_matches_cpu():
+    g = torch.Generator().manual_seed(6)
+    T, K, E, H = 333, 4, 64, 96
+    x = torch.randn(T, H, generator=g)
+    idx = _indices(T, K, E, g).int()
+    probs = torch.rand(T, K, generator=g)
+    dout = torch.randn(T, H, generator=g)
+    grads = []
+    for device in ("cpu", "cuda"):
+        xx = x.to(device, copy=True).requires_grad_(True)
+        pp = probs.to(device, copy=True).requires_grad_(True)
+        p = mmfuse.moe_permute(xx, idx.to(device), E, T * K - 50)
+        mmfuse.moe_unpermute(p.rows * 2 + 1, p.row_id_map, pp).backward(dout.to(device))
+        grads.append((xx.grad.cpu(), pp.grad.cpu()))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-5, atol=1e-4)
+
+
+@needs_gpu
+def test_cuda_graph_capture_and_no_host_sync():
+    g = torch.Generator().manual_seed(7)
+    T, K, E, H = 2048, 2, 8, 512
+    x = torch.randn(T, H, generator=g).bfloat16().cuda()
+    idx = _indices(T, K, E, g).cuda()
+    probs = torch.rand(T, K, generator=g).cuda()
+    dout = torch.randn(T, H, generator=g).bfloat16().cuda()
+
+    def step(x, idx, probs, dout):
+        xx = x.detach().requires_grad_(True)
+        pp = probs.detach().requires_grad_(True)
+        p = mmfuse.moe_permute(xx, idx, E, 3000)
+        out = mmfuse.moe_unpermute(p.rows, p.row_id_map, pp)
+        out.backward(dout)
+        return out, xx.grad, pp.grad, p.counts
+
+    want = step(x, idx, probs, dout)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(x, idx, probs, dout)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step(x, idx, probs, dout)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = step(x, idx, probs, dout)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the graph reads its inputs at replay: route every token elsewhere, replay, compare
+    idx.copy_((idx + 3) % E)
+    x.mul_(-1)
+    want2 = step(x, idx, probs, dout)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(want2[3], want[3])
+    assert all(torch.equal(a, b) for a, b in zip(got, want2))
+
+
+@needs_gpu
+def test_cuda_compile_fullgraph():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(100, 64, generator=g).cuda()
+    idx = _indices(100, 2, 8, g).cuda()
+    probs = torch.rand(100, 2, generator=g).cuda()
+
+    def f(x, idx, probs):
+        p = mmfuse.moe_permute(x, idx, 8)
+        return mmfuse.moe_unpermute(p.rows.relu(), p.row_id_map, probs)
+
+    assert torch.equal(torch.compile(f, fullgraph=True)(x, idx, probs), f(x, idx, probs))
+
+
+def test_seed_backend_functions():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 8, generator=g)
+    idx = _indices(6, 2, 4, g).to(torch.int32)
+    probs = torch.rand(6, 2, generator=g)
+    ws = torch.empty(0)
+    rows, row_id_map, ws2 = backend.permute(x, idx, 0, ws, 0)
+    assert ws2 is ws
+    p = mmfuse.moe_permute(x, idx, 4)
+    assert torch.equal(rows, p.rows) and torch.equal(row_id_map, p.row_id_map)
+    out = backend.unpermute(rows, row_id_map.reshape(-1), probs, 6, 2)
+    assert torch.equal(out, mmfuse.moe_unpermute(rows, row_id_map, probs))
+    dout = torch.randn(6, 8, generator=g)
+    dy, dprob = backend.unpermute_bwd(dout, rows, row_id_map.reshape(-1), probs)
+    y = rows.clone().requires_grad_(True)
+    pr = probs.clone().requires_grad_(True)
+    mmfuse.moe_unpermute(y, row_id_map, pr).backward(dout)
+    assert torch.equal(dy, y.grad) and torch.equal(dprob, pr.grad)
+    # K = 1 without probabilities: gradient of the weights still defined (the seed left it uninitialised)
+    p1 = mmfuse.moe_permute(x, idx[:, :1], 4)
+    dy1, dprob1 = backend.unpermute_bwd(dout, p1.rows, p1.row_id_map, None)
+    assert torch.equal(dy1[p1.row_id_map[0].long()], dout)  # dy[row(t)] = dout[t]
+    assert torch.allclose(dprob1[:, 0], (dout * x).sum(1))
