@@ -57,3 +57,14 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.def("moe_unpermute_backward(Tensor dout, Tensor y, Tensor row_id_map, Tensor? probs=None, "
         "bool compute_dprobs=True) -> (Tensor, Tensor)");
 }
+
+// Dual-expert GEMM (python/mmfuse/dual_gemm.py), SEMANTICS.md section 6: out_e = op(a_e) @ op(w_e)
+// for e in {0, 1}. dual_gemm: new outputs in the input dtype, or float32 with out_fp32 (differentiable
+// in all four inputs); dual_gemm_out: into pre-allocated contiguous outputs, accumulate adds (fp32).
+TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
+  m.set_python_module("mmfuse.dual_gemm");
+  m.def("dual_gemm(Tensor a0, Tensor w0, Tensor a1, Tensor w1, bool trans_a=False, bool trans_b=False, "
+        "bool out_fp32=False) -> (Tensor, Tensor)");
+  m.def("dual_gemm_out(Tensor a0, Tensor w0, Tensor a1, Tensor w1, Tensor(a!) out0, Tensor(b!) out1, "
+        "bool trans_a=False, bool trans_b=False, bool accumulate=False) -> ()");
+}

@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _lib  # noqa: F401
+from .dual_gemm import _mn as _gemm_mn, dual_gemm as _dual_gemm, dual_gemm_out as _dual_gemm_out
 from . import moe as _moe
 from . import positions as _positions
 
@@ -139,3 +140,24 @@ def unpermute_bwd(input_bwd: Tensor, input_fwd: Tensor, row_id_map: Tensor, prob
     K = row_id_map.numel() // max(T, 1) if row_id_map.dim() == 1 else row_id_map.shape[0]
     probs = prob if prob is not None and prob.numel() else None
     return torch.ops.mmfuse.moe_unpermute_backward(input_bwd, input_fwd, _seed_map(row_id_map, T, K), probs)
+
+
+def asym_dual_gmm_separated(input_expert0: Tensor, input_expert1: Tensor, weight_expert0: Tensor,
+                            weight_expert1: Tensor, output_expert0: Optional[Tensor] = None,
+                            output_expert1: Optional[Tensor] = None, trans_a: bool = False,
+                            trans_b: bool = False):
+    """Seed ``asym_dual_gmm_separated``: ``(out0, out1)`` with ``out_e = op(input_e) @ op(weight_e)``.
+    Given outputs are written in place and must be contiguous, in the inputs' dtype or float32
+    (ValueError otherwise: the seed silently wrote a temporary copy); missing ones are allocated in the
+    inputs' dtype. Differentiable when both outputs are allocated here."""
+    if output_expert0 is None and output_expert1 is None:
+        return _dual_gemm(input_expert0, weight_expert0, input_expert1, weight_expert1, trans_a, trans_b)
+    if output_expert0 is None or output_expert1 is None:
+        def new(a, w):
+            return a.new_empty(_gemm_mn(a, w, trans_a, trans_b))
+
+        output_expert0 = new(input_expert0, weight_expert0) if output_expert0 is None else output_expert0
+        output_expert1 = new(input_expert1, weight_expert1) if output_expert1 is None else output_expert1
+    _dual_gemm_out(input_expert0, weight_expert0, input_expert1, weight_expert1, output_expert0, output_expert1,
+                   trans_a, trans_b)
+    return output_expert0, output_expert1

@@ -87,15 +87,6 @@ Result run(std::vector<int64_t> ids, std::vector<int64_t> mask, int64_t B, std::
   return run_cpu(b);
 }
 
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one containing: " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
-
 std::vector<int64_t> slice(const std::vector<int64_t>& v, size_t from, size_t n) {
   return std::vector<int64_t>(v.begin() + from, v.begin() + from + n);
 }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -62,6 +63,16 @@ void poison(std::vector<T>& v) {
 template <class T>
 bool bits_equal(const T& a, const T& b) {
   return std::memcmp(&a, &b, sizeof(T)) == 0;
+}
+
+// f() must throw mmfuse::Error with a message containing needle.
+inline void expect_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one containing: " << needle;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
 }
 
 inline TensorView host_view(void* p, DType t, std::vector<int64_t> shape, std::vector<int64_t> stride = {}) {

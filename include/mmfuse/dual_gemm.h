@@ -1,0 +1,36 @@
+// Asymmetric dual-expert GEMM (SEMANTICS.md section 6): two independent products in one call,
+//   out_e = op(a_e) @ op(w_e)   (out_e += ... with accumulate),   e in {0, 1},
+// where the experts may differ in m, n and k. op(a) = a, or a^T with trans_a (a stored [k, m]: the
+// weight-gradient form); op(w) = w, or w^T with trans_b (w stored [n, k]: the nn.Linear layout).
+//
+// Inputs: bf16 or fp16 (the fast paths), fp32 or fp64 (a correct path; fp64 is CPU only, for
+// gradcheck), the same dtype for all four; each 2-D with a contiguous last dim (row stride >= its
+// columns). Outputs: [m_e, n_e], contiguous, in the input dtype or fp32; accumulate needs fp32
+// outputs (gradient accumulation: out_e += op(a_e) @ op(w_e)). Products accumulate in fp32 (fp64
+// for fp64) and are rounded once. m, n or k of 0 are valid (k = 0: out = 0, or unchanged with
+// accumulate).
+//
+// Backends: CPU (a reference-quality loop, for tests and small sizes); CUDA: not built yet (issue 5's
+// next step: cuBLASLt with cached descriptors and a persistent sm_90a kernel over both problems).
+#pragma once
+
+#include "mmfuse/common.h"
+
+namespace mmfuse {
+
+struct DualGemmOptions {
+  bool trans_a = false;
+  bool trans_b = false;
+  bool accumulate = false;
+};
+
+MMFUSE_API void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, const TensorView& a1,
+                          const TensorView& w1, TensorView& out1, const DualGemmOptions& options,
+                          cudaStream_t stream);
+
+namespace detail {
+// One product on the CPU: out (+)= op(a) @ op(w), shapes already checked.
+void gemm_cpu(const TensorView& a, const TensorView& w, TensorView& out, const DualGemmOptions& options);
+}  // namespace detail
+
+}  // namespace mmfuse

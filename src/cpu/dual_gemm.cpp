@@ -1,0 +1,48 @@
+// CPU backend of the dual-expert GEMM: one product at a time, a row of fp32 (fp64) accumulators per
+// output row, k in order, rounded once into the output dtype.
+#include <vector>
+
+#include "common/dispatch.h"
+#include "mmfuse/dual_gemm.h"
+
+namespace mmfuse {
+namespace detail {
+
+void gemm_cpu(const TensorView& a, const TensorView& w, TensorView& out, const DualGemmOptions& o) {
+  const int64_t m = out.shape[0], n = out.shape[1], k = o.trans_a ? a.shape[0] : a.shape[1];
+  dispatch_floating(a.dtype, "dual_gemm: a", [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    using C = typename compute_type<S>::type;
+    const S* A = static_cast<const S*>(a.data);
+    const S* W = static_cast<const S*>(w.data);
+    // element (i, kk) of op(a) and (kk, j) of op(w)
+    auto a_at = [&](int64_t i, int64_t kk) { return o.trans_a ? A[kk * a.stride[0] + i] : A[i * a.stride[0] + kk]; };
+    auto w_at = [&](int64_t kk, int64_t j) { return o.trans_b ? W[j * w.stride[0] + kk] : W[kk * w.stride[0] + j]; };
+    std::vector<C> acc(static_cast<size_t>(n));
+    for (int64_t i = 0; i < m; ++i) {
+      std::fill(acc.begin(), acc.end(), C(0));
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const C x = load_val(a_at(i, kk));
+        for (int64_t j = 0; j < n; ++j) acc[j] += x * load_val(w_at(kk, j));
+      }
+      auto write = [&](auto* O) {
+        using T = std::remove_pointer_t<decltype(O)>;
+        for (int64_t j = 0; j < n; ++j) {
+          T& dst = O[i * n + j];
+          if constexpr (std::is_same_v<T, S>) {
+            dst = o.accumulate ? store_val<S>(load_val(dst) + acc[j]) : store_val<S>(acc[j]);
+          } else {  // fp32 output of a narrower input
+            dst = o.accumulate ? dst + float(acc[j]) : float(acc[j]);
+          }
+        }
+      };
+      if (out.dtype == a.dtype)
+        write(static_cast<S*>(out.data));
+      else
+        write(static_cast<float*>(out.data));
+    }
+  });
+}
+
+}  // namespace detail
+}  // namespace mmfuse

@@ -1,0 +1,127 @@
+"""Dual-expert GEMM (CPU; the CUDA backend is issue 5's next step) against float64: all four layouts,
+m in {0, 1, 7, 128}, odd and aligned n and k, bf16 / fp16 / fp32, fp32 outputs, accumulation;
+gradcheck in float64, gradients of bf16 inputs, opcheck, torch.compile, bad input, the seed function."""
+
+import pytest
+import torch
+
+import mmfuse
+from mmfuse import backend
+
+
+def _op(t, trans):
+    return t.t() if trans else t
+
+
+def _make(m, n, k, ta, tb, dtype, g):
+    a = torch.randn((k, m) if ta else (m, k), generator=g).to(dtype)
+    w = torch.randn((n, k) if tb else (k, n), generator=g).to(dtype)
+    return a, w
+
+
+def _bound(a, w, ta, tb, out_dtype):
+    """|fp32-accumulated result - float64| bound: k fp32 roundings of the running sum, then one
+    rounding of the output."""
+    A, W = _op(a, ta).double(), _op(w, tb).double()
+    k = A.shape[1]
+    mag = A.abs() @ W.abs()
+    eps_out = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -24}[out_dtype]
+    return A @ W, (k + 2) * 2 ** -23 * mag + eps_out * (A @ W).abs() + 1e-30
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shapes", [((7, 33, 19), (1, 8, 64)), ((128, 64, 40), (0, 24, 17)),
+                                    ((0, 5, 3), (128, 17, 64)), ((16, 48, 0), (3, 9, 11))])
+def test_against_float64(ta, tb, dtype, shapes):
+    g = torch.Generator().manual_seed(hash((ta, tb, str(dtype), shapes)) % 2 ** 31)
+    (a0, w0), (a1, w1) = (_make(*s, ta, tb, dtype, g) for s in shapes)
+    for out_dtype in (None, torch.float32):
+        outs = mmfuse.dual_gemm(a0, w0, a1, w1, ta, tb, out_dtype=out_dtype)
+        for out, a, w, (m, n, _) in zip(outs, (a0, a1), (w0, w1), shapes):
+            assert out.shape == (m, n) and out.dtype == (out_dtype or dtype)
+            ref, tol = _bound(a, w, ta, tb, out.dtype)
+            assert bool(((out.double() - ref).abs() <= tol).all())
+    # accumulation into fp32 buffers
+    bufs = [torch.randn(s[0], s[1], generator=g) for s in shapes]
+    before = [b.clone() for b in bufs]
+    mmfuse.dual_gemm_out(a0, w0, a1, w1, bufs[0], bufs[1], ta, tb, accumulate=True)
+    for b, b0, a, w in zip(bufs, before, (a0, a1), (w0, w1)):
+        ref, tol = _bound(a, w, ta, tb, torch.float32)
+        assert bool(((b.double() - b0.double() - ref).abs() <= tol + 2 ** -23 * b0.double().abs()).all())
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_gradcheck_float64(ta, tb):
+    g = torch.Generator().manual_seed(int(ta) * 2 + int(tb))
+    (a0, w0), (a1, w1) = _make(5, 3, 4, ta, tb, torch.float64, g), _make(2, 6, 3, ta, tb, torch.float64, g)
+    args = [t.requires_grad_(True) for t in (a0, w0, a1, w1)]
+    torch.autograd.gradcheck(lambda *x: mmfuse.dual_gemm(*x, ta, tb), args)
+    # only some inputs needing gradients, and an unused output
+    a0.grad = None
+    w1.requires_grad_(False)
+    out0, _ = mmfuse.dual_gemm(a0, w0.detach(), a1.detach(), w1, ta, tb)
+    out0.sum().backward()
+    torch.testing.assert_close(a0.grad, torch.autograd.grad((_op(a0, ta) @ _op(w0.detach(), tb)).sum(), a0)[0])
+
+
+def test_bf16_gradients_match_float64():
+    g = torch.Generator().manual_seed(3)
+    a0, w0 = _make(64, 96, 80, False, True, torch.bfloat16, g)
+    a1, w1 = _make(8, 40, 48, False, True, torch.bfloat16, g)
+    ins = [t.clone().requires_grad_(True) for t in (a0, w0, a1, w1)]
+    outs = mmfuse.dual_gemm(*ins, False, True, out_dtype=torch.float32)
+    douts = [torch.randn(o.shape, generator=g) for o in outs]
+    torch.autograd.backward(outs, douts)
+    ref_ins = [t.double().requires_grad_(True) for t in (a0, w0, a1, w1)]
+    ref = (ref_ins[0] @ ref_ins[1].t(), ref_ins[2] @ ref_ins[3].t())
+    # the gradients' products take dout rounded to bf16 (the inputs' dtype)
+    torch.autograd.backward(ref, [d.bfloat16().double() for d in douts])
+    for got, want in zip(ins, ref_ins):
+        assert got.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=2 ** -7, atol=0.05)
+
+
+def test_opcheck_compile_and_seed_function():
+    g = torch.Generator().manual_seed(4)
+    (a0, w0), (a1, w1) = _make(9, 16, 8, False, False, torch.float32, g), _make(3, 5, 8, False, False, torch.float32, g)
+    for ta, tb in ((False, False), (True, True)):
+        args = (a0.t().contiguous() if ta else a0, w0.t().contiguous() if tb else w0,
+                a1.t().contiguous() if ta else a1, w1.t().contiguous() if tb else w1)
+        torch.library.opcheck(torch.ops.mmfuse.dual_gemm.default,
+                              tuple(t.clone().requires_grad_(True) for t in args) + (ta, tb, False))
+    torch.library.opcheck(torch.ops.mmfuse.dual_gemm_out.default,
+                          (a0, w0, a1, w1, torch.empty(9, 16), torch.empty(3, 5), False, False, False))
+
+    def f(a0, w0, a1, w1):
+        o0, o1 = mmfuse.dual_gemm(a0, w0, a1, w1)
+        return o0.relu(), o1 * 2
+
+    want = f(a0, w0, a1, w1)
+    got = torch.compile(f, fullgraph=True)(a0, w0, a1, w1)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    # the seed's function: allocated outputs, or given (contiguous) ones written in place
+    o = backend.asym_dual_gmm_separated(a0, a1, w0, w1)
+    assert all(torch.equal(x, y) for x, y in zip(o, mmfuse.dual_gemm(a0, w0, a1, w1)))
+    out0, out1 = torch.empty(9, 16), torch.empty(3, 5)
+    r = backend.asym_dual_gmm_separated(a0, a1, w0, w1, out0, out1)
+    assert r[0] is out0 and r[1] is out1 and torch.equal(out0, o[0]) and torch.equal(out1, o[1])
+    with pytest.raises(ValueError, match=r"out0: expected a contiguous tensor \(outputs are written in place\)"):
+        backend.asym_dual_gmm_separated(a0, a1, w0, w1, torch.empty(16, 9).t(), out1)
+
+
+def test_bad_input():
+    a, w = torch.randn(6, 4).bfloat16(), torch.randn(4, 5).bfloat16()
+    with pytest.raises(ValueError, match=r"w1: expected 4 along its k dim \(that of a1; trans_a=False, trans_b=False\)"):
+        mmfuse.dual_gemm(a, w, a, torch.randn(5, 4).bfloat16())
+    with pytest.raises(ValueError, match="a1: expected dtype bfloat16 \\(that of a0\\), got float32"):
+        mmfuse.dual_gemm(a, w, a.float(), w)
+    with pytest.raises(ValueError, match="accumulate=True needs a float32 output, got bfloat16"):
+        mmfuse.dual_gemm_out(a, w, a, w, torch.empty(6, 5).bfloat16(), torch.empty(6, 5).bfloat16(), accumulate=True)
+    with pytest.raises(ValueError, match="out_dtype"):
+        mmfuse.dual_gemm(a, w, a, w, out_dtype=torch.float16)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA backend of dual_gemm is not built yet"):
+            mmfuse.dual_gemm(a.cuda(), w.cuda(), a.cuda(), w.cuda())
