@@ -47,8 +47,11 @@ Dims check_expert(const char* op, int e, const TensorView& a, const TensorView& 
 
 }  // namespace
 
+int64_t dual_gemm_workspace_bytes() { return int64_t(32) << 20; }  // cuBLAS's recommendation for Hopper
+
 void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, const TensorView& a1,
-               const TensorView& w1, TensorView& out1, const DualGemmOptions& o, cudaStream_t stream) {
+               const TensorView& w1, TensorView& out1, const DualGemmOptions& o, TensorView& ws,
+               cudaStream_t stream) {
   const char* op = "dual_gemm";
   MMFUSE_CHECK(a0.defined(), op, ": a0 is missing");
   const DType in = a0.dtype;
@@ -57,15 +60,22 @@ void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, con
   const Device dev = a0.device;
   check_expert(op, 0, a0, w0, out0, o, in, dev);
   check_expert(op, 1, a1, w1, out1, o, in, dev);
-  (void)stream;
   if (dev.type == DeviceType::kCPU) {
     detail::gemm_cpu(a0, w0, out0, o);
     detail::gemm_cpu(a1, w1, out1, o);
     return;
   }
   MMFUSE_CHECK(in != DType::kFloat64, op, ": a0: float64 is CPU only (for gradcheck)");
-  MMFUSE_FAIL(op, ": a0: the CUDA backend of dual_gemm is not built yet; expected a CPU tensor, got ",
-              device_name(dev));
+  MMFUSE_CHECK(ws.defined() && ws.device == dev && ws.ndim == 1 && (ws.shape[0] <= 1 || ws.stride[0] == 1) &&
+                   int64_t(ws.shape[0] * dtype_size(ws.dtype)) >= dual_gemm_workspace_bytes(),
+               op, ": workspace: expected a contiguous buffer of >= ", dual_gemm_workspace_bytes(), " bytes on ",
+               device_name(dev), ", got ", ws.defined() ? shape_str(ws) : std::string("none"));
+#ifdef MMFUSE_WITH_CUDA
+  detail::dual_gemm_cuda(a0, w0, out0, a1, w1, out1, o, ws, stream);
+#else
+  (void)stream;
+  MMFUSE_FAIL(op, ": this build of mmfuse has no CUDA backend (built with MMFUSE_CUDA=OFF)");
+#endif
 }
 
 }  // namespace mmfuse

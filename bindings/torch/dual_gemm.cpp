@@ -1,5 +1,5 @@
-// Torch implementation of the dual-expert GEMM: the functional op and the in-place one (CPU; the
-// core reports CUDA tensors until its CUDA backend lands), and autograd through a0, w0, a1 and w1.
+// Torch implementation of the dual-expert GEMM: the functional op and the in-place one (CPU and
+// CUDA; the CUDA workspace comes from the caching allocator), and autograd through a0, w0, a1, w1.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -21,14 +21,15 @@ std::vector<int64_t> out_shape(const Tensor& a, const Tensor& w, bool ta, bool t
 
 void dual_gemm_out_impl(const Tensor& a0, const Tensor& w0, const Tensor& a1, const Tensor& w1, const Tensor& out0,
                         const Tensor& out1, bool trans_a, bool trans_b, bool accumulate) {
+  Tensor ws = at::empty({a0.is_cuda() ? dual_gemm_workspace_bytes() : 0}, a0.options().dtype(at::kByte));
   guarded("dual_gemm", [&] {
-    TensorView o0 = view(out0, "out0"), o1 = view(out1, "out1");
+    TensorView o0 = view(out0, "out0"), o1 = view(out1, "out1"), wv = view(ws, "workspace");
     DualGemmOptions opt;
     opt.trans_a = trans_a;
     opt.trans_b = trans_b;
     opt.accumulate = accumulate;
     c10::OptionalDeviceGuard g(a0.device());
-    dual_gemm(view(a0, "a0"), view(w0, "w0"), o0, view(a1, "a1"), view(w1, "w1"), o1, opt, current_stream(a0));
+    dual_gemm(view(a0, "a0"), view(w0, "w0"), o0, view(a1, "a1"), view(w1, "w1"), o1, opt, wv, current_stream(a0));
   });
 }
 
@@ -102,7 +103,7 @@ TORCH_LIBRARY_IMPL(mmfuse, CPU, m) {
   m.impl("dual_gemm", &dual_gemm_impl);
   m.impl("dual_gemm_out", &dual_gemm_out_impl);
 }
-TORCH_LIBRARY_IMPL(mmfuse, CUDA, m) {  // the core reports that its CUDA backend is not built yet
+TORCH_LIBRARY_IMPL(mmfuse, CUDA, m) {
   m.impl("dual_gemm", &dual_gemm_impl);
   m.impl("dual_gemm_out", &dual_gemm_out_impl);
 }

@@ -10,8 +10,9 @@
 // for fp64) and are rounded once. m, n or k of 0 are valid (k = 0: out = 0, or unchanged with
 // accumulate).
 //
-// Backends: CPU (a reference-quality loop, for tests and small sizes); CUDA: not built yet (issue 5's
-// next step: cuBLASLt with cached descriptors and a persistent sm_90a kernel over both problems).
+// Backends: CPU (a reference-quality loop, for tests and small sizes); CUDA: cuBLASLt, one matmul a
+// expert on the caller's stream (the bigger first), descriptors and algorithms cached per problem,
+// the caller's workspace (a persistent sm_90a kernel over both problems is issue 5's next step).
 #pragma once
 
 #include "mmfuse/common.h"
@@ -24,13 +25,21 @@ struct DualGemmOptions {
   bool accumulate = false;
 };
 
+// Bytes of the CUDA workspace (any dtype, contiguous, on the inputs' device; ignored on the CPU).
+MMFUSE_API int64_t dual_gemm_workspace_bytes();
+
 MMFUSE_API void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, const TensorView& a1,
                           const TensorView& w1, TensorView& out1, const DualGemmOptions& options,
-                          cudaStream_t stream);
+                          TensorView& workspace, cudaStream_t stream);
 
 namespace detail {
 // One product on the CPU: out (+)= op(a) @ op(w), shapes already checked.
 void gemm_cpu(const TensorView& a, const TensorView& w, TensorView& out, const DualGemmOptions& options);
+#ifdef MMFUSE_WITH_CUDA
+void dual_gemm_cuda(const TensorView& a0, const TensorView& w0, TensorView& out0, const TensorView& a1,
+                    const TensorView& w1, TensorView& out1, const DualGemmOptions& options, TensorView& workspace,
+                    cudaStream_t stream);
+#endif
 }  // namespace detail
 
 }  // namespace mmfuse

@@ -1,8 +1,8 @@
 """Asymmetric dual-expert GEMM (SEMANTICS.md section 6): two independent products in one call,
 ``out_e = op(a_e) @ op(w_e)`` for ``e`` in {0, 1}, the experts free to differ in m, n and k.
-Differentiable in all four inputs. CPU for now; the CUDA backend (cuBLASLt with cached descriptors,
-and a persistent sm_90a kernel over both problems) is issue 5's next step: CUDA tensors are rejected
-with a clear error until then.
+Differentiable in all four inputs. CPU, and CUDA through cuBLASLt (one matmul an expert on the current
+stream, descriptors and algorithms cached per problem, no host sync; a persistent sm_90a kernel over
+both problems is issue 5's next step).
 """
 
 from typing import Optional, Tuple

@@ -1,12 +1,16 @@
-"""Dual-expert GEMM (CPU; the CUDA backend is issue 5's next step) against float64: all four layouts,
-m in {0, 1, 7, 128}, odd and aligned n and k, bf16 / fp16 / fp32, fp32 outputs, accumulation;
-gradcheck in float64, gradients of bf16 inputs, opcheck, torch.compile, bad input, the seed function."""
+"""Dual-expert GEMM on the CPU and CUDA (cuBLASLt) against float64: all four layouts, m in {0, 1, 7,
+128}, odd and aligned n and k, bf16 / fp16 / fp32, fp32 outputs, accumulation; gradcheck in float64,
+gradients of bf16 inputs (CPU and CUDA), opcheck, torch.compile, CUDA graphs, bad input, the seed
+function."""
 
 import pytest
 import torch
 
 import mmfuse
 from mmfuse import backend
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 def _op(t, trans):
@@ -34,19 +38,23 @@ def _bound(a, w, ta, tb, out_dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shapes", [((7, 33, 19), (1, 8, 64)), ((128, 64, 40), (0, 24, 17)),
                                     ((0, 5, 3), (128, 17, 64)), ((16, 48, 0), (3, 9, 11))])
-def test_against_float64(ta, tb, dtype, shapes):
+@pytest.mark.parametrize("device", DEVICES)
+def test_against_float64(ta, tb, dtype, shapes, device):
     g = torch.Generator().manual_seed(hash((ta, tb, str(dtype), shapes)) % 2 ** 31)
     (a0, w0), (a1, w1) = (_make(*s, ta, tb, dtype, g) for s in shapes)
+    dev = [t.to(device) for t in (a0, w0, a1, w1)]
     for out_dtype in (None, torch.float32):
-        outs = mmfuse.dual_gemm(a0, w0, a1, w1, ta, tb, out_dtype=out_dtype)
+        outs = mmfuse.dual_gemm(*dev, ta, tb, out_dtype=out_dtype)
         for out, a, w, (m, n, _) in zip(outs, (a0, a1), (w0, w1), shapes):
-            assert out.shape == (m, n) and out.dtype == (out_dtype or dtype)
+            assert out.shape == (m, n) and out.dtype == (out_dtype or dtype) and out.device.type == device
             ref, tol = _bound(a, w, ta, tb, out.dtype)
-            assert bool(((out.double() - ref).abs() <= tol).all())
+            assert bool(((out.cpu().double() - ref).abs() <= tol).all())
     # accumulation into fp32 buffers
     bufs = [torch.randn(s[0], s[1], generator=g) for s in shapes]
     before = [b.clone() for b in bufs]
-    mmfuse.dual_gemm_out(a0, w0, a1, w1, bufs[0], bufs[1], ta, tb, accumulate=True)
+    dbufs = [b.to(device) for b in bufs]
+    mmfuse.dual_gemm_out(*dev, dbufs[0], dbufs[1], ta, tb, accumulate=True)
+    bufs = [b.cpu() for b in dbufs]
     for b, b0, a, w in zip(bufs, before, (a0, a1), (w0, w1)):
         ref, tol = _bound(a, w, ta, tb, torch.float32)
         assert bool(((b.double() - b0.double() - ref).abs() <= tol + 2 ** -23 * b0.double().abs()).all())
@@ -67,21 +75,22 @@ def test_gradcheck_float64(ta, tb):
     torch.testing.assert_close(a0.grad, torch.autograd.grad((_op(a0, ta) @ _op(w0.detach(), tb)).sum(), a0)[0])
 
 
-def test_bf16_gradients_match_float64():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_gradients_match_float64(device):
     g = torch.Generator().manual_seed(3)
     a0, w0 = _make(64, 96, 80, False, True, torch.bfloat16, g)
     a1, w1 = _make(8, 40, 48, False, True, torch.bfloat16, g)
-    ins = [t.clone().requires_grad_(True) for t in (a0, w0, a1, w1)]
+    ins = [t.to(device, copy=True).requires_grad_(True) for t in (a0, w0, a1, w1)]
     outs = mmfuse.dual_gemm(*ins, False, True, out_dtype=torch.float32)
     douts = [torch.randn(o.shape, generator=g) for o in outs]
-    torch.autograd.backward(outs, douts)
+    torch.autograd.backward(outs, [d.to(device) for d in douts])
     ref_ins = [t.double().requires_grad_(True) for t in (a0, w0, a1, w1)]
     ref = (ref_ins[0] @ ref_ins[1].t(), ref_ins[2] @ ref_ins[3].t())
     # the gradients' products take dout rounded to bf16 (the inputs' dtype)
     torch.autograd.backward(ref, [d.bfloat16().double() for d in douts])
     for got, want in zip(ins, ref_ins):
         assert got.grad.dtype == torch.bfloat16
-        torch.testing.assert_close(got.grad.double(), want.grad, rtol=2 ** -7, atol=0.05)
+        torch.testing.assert_close(got.grad.cpu().double(), want.grad, rtol=2 ** -7, atol=0.05)
 
 
 def test_opcheck_compile_and_seed_function():
@@ -123,5 +132,36 @@ def test_bad_input():
     with pytest.raises(ValueError, match="out_dtype"):
         mmfuse.dual_gemm(a, w, a, w, out_dtype=torch.float16)
     if torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA backend of dual_gemm is not built yet"):
-            mmfuse.dual_gemm(a.cuda(), w.cuda(), a.cuda(), w.cuda())
+        with pytest.raises(ValueError, match="w1: expected a tensor on cuda:0 \\(that of a0\\), got cpu"):
+            mmfuse.dual_gemm(a.cuda(), w.cuda(), a.cuda(), w)
+        with pytest.raises(ValueError, match="float64 is CPU only"):
+            mmfuse.dual_gemm(*(t.double().cuda() for t in (a, w, a, w)))
+
+
+@needs_gpu
+def test_cuda_graph_capture_and_no_host_sync():
+    g = torch.Generator().manual_seed(9)
+    (a0, w0), (a1, w1) = _make(512, 384, 256, False, True, torch.bfloat16, g), _make(64, 128, 256, False, True,
+                                                                                     torch.bfloat16, g)
+    ins = [t.cuda() for t in (a0, w0, a1, w1)]
+    want = mmfuse.dual_gemm(*ins, False, True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            mmfuse.dual_gemm(*ins, False, True)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = mmfuse.dual_gemm(*ins, False, True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    ins[0].mul_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], mmfuse.dual_gemm(*ins, False, True)[0])

@@ -1,0 +1,182 @@
+// CUDA backend of the dual-expert GEMM, first path: cuBLASLt. Each expert is one cublasLtMatmul on
+// the caller's stream. The descriptors, layouts and the heuristic's algorithm are built once per
+// problem (shape, layout, dtypes, pointer alignment, accumulate) and cached; a call after the first
+// does no device query, no host-to-device copy and no allocation (the workspace is the caller's).
+//
+// Row-major to column-major: out[m, n] = op(a) @ op(w) is, in cuBLAS's column-major terms,
+// out^T[n, m] = op(w)^T @ op(a)^T, where a row-major [r, c] buffer with row stride ld reads as a
+// column-major [c, r] matrix with leading dimension ld.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "common/cuda_check.h"
+#include "mmfuse/dual_gemm.h"
+
+#define MMFUSE_CUBLAS_CHECK(expr)                                                                      \
+  do {                                                                                                 \
+    cublasStatus_t mmfuse_st_ = (expr);                                                                \
+    MMFUSE_CHECK(mmfuse_st_ == CUBLAS_STATUS_SUCCESS, "cuBLASLt error in ", #expr, ": status ",      \
+                 int(mmfuse_st_));                                                                     \
+  } while (0)
+
+namespace mmfuse {
+namespace detail {
+namespace {
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::kBFloat16: return CUDA_R_16BF;
+    case DType::kFloat16: return CUDA_R_16F;
+    default: return CUDA_R_32F;  // float32 (float64 is rejected before)
+  }
+}
+
+// Largest power of two (at most 256) dividing the address: the alignment cuBLASLt may assume.
+uint32_t alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t b = 256;
+  while (b > 1 && a % b) b /= 2;
+  return b;
+}
+
+struct Key {
+  int device;
+  DType in, out;
+  bool ta, tb, accumulate;
+  int64_t m, n, k, lda, ldw;
+  uint32_t align_a, align_w, align_out;
+  size_t ws;
+  bool operator<(const Key& o) const {
+    auto tie = [](const Key& x) {
+      return std::make_tuple(x.device, int(x.in), int(x.out), x.ta, x.tb, x.accumulate, x.m, x.n, x.k, x.lda, x.ldw,
+                             x.align_a, x.align_w, x.align_out, x.ws);
+    };
+    return tie(*this) < tie(o);
+  }
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t wl = nullptr, al = nullptr, cl = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+struct Cache {
+  std::mutex mu;
+  std::map<int, cublasLtHandle_t> handles;  // per device; live for the process
+  std::map<Key, Plan> plans;
+};
+
+Cache& cache() {
+  static Cache* c = new Cache();  // never destroyed: no teardown order issues at exit
+  return *c;
+}
+
+cublasLtHandle_t handle_locked(Cache& c, int device) {
+  auto it = c.handles.find(device);
+  if (it != c.handles.end()) return it->second;
+  cublasLtHandle_t h = nullptr;
+  MMFUSE_CUBLAS_CHECK(cublasLtCreate(&h));
+  c.handles[device] = h;
+  return h;
+}
+
+Plan make_plan(cublasLtHandle_t h, const Key& key) {
+  Plan p;
+  const cudaDataType_t in = cuda_type(key.in), out = cuda_type(key.out);
+  MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // column-major operands: A = w (op: N if w is [k, n], T if [n, k]), B = a (N if [m, k], T if [k, m])
+  const cublasOperation_t opw = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N, opa = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opw, sizeof(opw)));
+  MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opa, sizeof(opa)));
+  // stored (column-major) shapes: w is [n, k] (N) or [k, n] (T); a is [k, m] (N) or [m, k] (T)
+  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.wl, in, key.tb ? key.k : key.n, key.tb ? key.n : key.k, key.ldw));
+  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.al, in, key.ta ? key.m : key.k, key.ta ? key.k : key.m, key.lda));
+  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.cl, out, key.n, key.m, key.n));
+  cublasLtMatmulPreference_t pref = nullptr;
+  MMFUSE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = key.ws;
+  MMFUSE_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  for (const auto& [attr, v] : {std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t>{
+                                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_w},
+                                {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a},
+                                {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_out},
+                                {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_out}})
+    MMFUSE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof(v)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(h, p.desc, p.wl, p.al, p.cl, p.cl, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  MMFUSE_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0, "dual_gemm: cuBLASLt has no algorithm for ", key.m, "x",
+               key.n, "x", key.k, " (status ", int(st), ")");
+  p.algo = result.algo;
+  return p;
+}
+
+// One expert: out (+)= op(a) @ op(w).
+void gemm_one(const TensorView& a, const TensorView& w, TensorView& out, const DualGemmOptions& o, void* ws,
+              size_t ws_bytes, cudaStream_t stream) {
+  const int64_t m = out.shape[0], n = out.shape[1], k = o.trans_a ? a.shape[0] : a.shape[1];
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // an empty sum: zero, or the accumulator unchanged
+    if (!o.accumulate) MMFUSE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, size_t(m * n) * dtype_size(out.dtype), stream));
+    return;
+  }
+  Key key{};
+  key.device = out.device.index;
+  key.in = a.dtype;
+  key.out = out.dtype;
+  key.ta = o.trans_a;
+  key.tb = o.trans_b;
+  key.accumulate = o.accumulate;
+  key.m = m;
+  key.n = n;
+  key.k = k;
+  key.lda = std::max<int64_t>(a.stride[0], std::max<int64_t>(1, a.shape[1]));
+  key.ldw = std::max<int64_t>(w.stride[0], std::max<int64_t>(1, w.shape[1]));
+  key.align_a = alignment(a.data);
+  key.align_w = alignment(w.data);
+  key.align_out = alignment(out.data);
+  key.ws = ws_bytes;
+  Cache& c = cache();
+  cublasLtHandle_t h;
+  Plan plan;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    h = handle_locked(c, key.device);
+    auto it = c.plans.find(key);
+    if (it == c.plans.end()) it = c.plans.emplace(key, make_plan(h, key)).first;
+    plan = it->second;
+  }
+  const float alpha = 1.0f, beta = o.accumulate ? 1.0f : 0.0f;
+  MMFUSE_CUBLAS_CHECK(cublasLtMatmul(h, plan.desc, &alpha, w.data, plan.wl, a.data, plan.al, &beta, out.data, plan.cl,
+                                     out.data, plan.cl, &plan.algo, ws, ws_bytes, stream));
+}
+
+}  // namespace
+
+void dual_gemm_cuda(const TensorView& a0, const TensorView& w0, TensorView& out0, const TensorView& a1,
+                    const TensorView& w1, TensorView& out1, const DualGemmOptions& o, TensorView& ws,
+                    cudaStream_t stream) {
+  const size_t ws_bytes = size_t(ws.shape[0]) * dtype_size(ws.dtype);
+  // the bigger product first: the small one's kernels start as the big one's last wave drains
+  const double f0 = double(out0.shape[0]) * double(out0.shape[1]) * double(o.trans_a ? a0.shape[0] : a0.shape[1]);
+  const double f1 = double(out1.shape[0]) * double(out1.shape[1]) * double(o.trans_a ? a1.shape[0] : a1.shape[1]);
+  if (f0 >= f1) {
+    gemm_one(a0, w0, out0, o, ws.data, ws_bytes, stream);
+    gemm_one(a1, w1, out1, o, ws.data, ws_bytes, stream);
+  } else {
+    gemm_one(a1, w1, out1, o, ws.data, ws_bytes, stream);
+    gemm_one(a0, w0, out0, o, ws.data, ws_bytes, stream);
+  }
+}
+
+}  // namespace detail
+}  // namespace mmfuse
