@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "common/dispatch.h"
+
 namespace mmfuse {
 namespace {
 
@@ -74,7 +76,7 @@ void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, con
   detail::dual_gemm_cuda(a0, w0, out0, a1, w1, out1, o, ws, stream);
 #else
   (void)stream;
-  MMFUSE_FAIL(op, ": this build of mmfuse has no CUDA backend (built with MMFUSE_CUDA=OFF)");
+  no_cuda_backend(op);
 #endif
 }
 

@@ -9,12 +9,6 @@
 namespace mmfuse {
 namespace {
 
-#ifndef MMFUSE_WITH_CUDA
-[[noreturn]] void no_cuda(const char* op) {
-  MMFUSE_FAIL(op, ": this build of mmfuse has no CUDA backend (built with MMFUSE_CUDA=OFF)");
-}
-#endif
-
 void check_device(const char* op, const TensorView& v, const char* name, Device dev) {
   MMFUSE_CHECK(v.device == dev, op, ": ", name, ": expected a tensor on ", device_name(dev), " (that of the first "
                "argument), got ", device_name(v.device));
@@ -28,7 +22,9 @@ void check_2d(const char* op, const TensorView& v, const char* name, int64_t row
   check_device(op, v, name, dev);
 }
 
-void check_rows(const char* op, const TensorView& v, const char* name) {
+// A [rows, cols] tensor of rows (-1: any): the last dim contiguous, fewer than 2^31 rows.
+void check_rows(const char* op, const TensorView& v, const char* name, int64_t rows, int64_t cols, Device dev) {
+  check_2d(op, v, name, rows, cols, dev);
   MMFUSE_CHECK(v.shape[1] <= 1 || v.stride[1] == 1, op, ": ", name, ": the last dim must be contiguous, got strides [",
                v.stride[0], ", ", v.stride[1], "]");
   MMFUSE_CHECK(v.shape[0] < (int64_t(1) << 31), op, ": ", name, ": ", v.shape[0],
@@ -38,6 +34,12 @@ void check_rows(const char* op, const TensorView& v, const char* name) {
 void check_map(const char* op, const TensorView& m, int64_t T, int64_t K, Device dev) {
   check_2d(op, m, "row_id_map", K, T, dev);
   MMFUSE_CHECK(m.dtype == DType::kInt32, op, ": row_id_map: expected dtype int32, got ", dtype_name(m.dtype));
+}
+
+// A map that gives K (and T, unless T >= 0 is given) to the other arguments.
+void check_map(const char* op, const TensorView& m, Device dev, int64_t T = -1) {
+  MMFUSE_CHECK(m.defined() && m.ndim == 2, op, ": row_id_map: expected [K, T], got ", shape_str(m));
+  check_map(op, m, T < 0 ? m.shape[1] : T, m.shape[0], dev);
 }
 
 void check_probs(const char* op, const TensorView& p, int64_t T, int64_t K, Device dev, const char* name = "probs") {
@@ -110,7 +112,7 @@ void moe_plan(const TensorView& idx, int64_t E, int64_t num_out, TensorView& map
   detail::moe_plan_cuda(idx, E, n, map, counts, d2s, ws, stream);
 #else
   (void)stream;
-  no_cuda(op);
+  no_cuda_backend(op);
 #endif
 }
 
@@ -118,19 +120,16 @@ void moe_permute(const TensorView& x, const TensorView& map, TensorView& out, cu
   const char* op = "moe_permute";
   MMFUSE_CHECK(x.defined(), op, ": x is missing");
   const Device dev = x.device;
-  check_2d(op, x, "x", -1, -1, dev);
-  check_rows(op, x, "x");
-  MMFUSE_CHECK(map.defined() && map.ndim == 2, op, ": row_id_map: expected [K, T], got ", shape_str(map));
-  check_map(op, map, x.shape[0], map.shape[0], dev);
-  check_2d(op, out, "out", -1, x.shape[1], dev);
-  check_rows(op, out, "out");
+  check_rows(op, x, "x", -1, -1, dev);
+  check_map(op, map, dev, x.shape[0]);
+  check_rows(op, out, "out", -1, x.shape[1], dev);
   check_same_dtype(op, out, "out", x, "x");
   if (dev.type == DeviceType::kCPU) return detail::moe_permute_cpu(x, map, out);
 #ifdef MMFUSE_WITH_CUDA
   detail::moe_permute_cuda(x, map, out, stream);
 #else
   (void)stream;
-  no_cuda(op);
+  no_cuda_backend(op);
 #endif
 }
 
@@ -139,21 +138,18 @@ void moe_unpermute(const TensorView& y, const TensorView& map, const TensorView&
   const char* op = "moe_unpermute";
   MMFUSE_CHECK(y.defined(), op, ": y is missing");
   const Device dev = y.device;
-  check_2d(op, y, "y", -1, -1, dev);
-  check_rows(op, y, "y");
-  MMFUSE_CHECK(map.defined() && map.ndim == 2, op, ": row_id_map: expected [K, T], got ", shape_str(map));
+  check_rows(op, y, "y", -1, -1, dev);
+  check_map(op, map, dev);
   const int64_t K = map.shape[0], T = map.shape[1], H = y.shape[1];
-  check_map(op, map, T, K, dev);
   check_probs(op, probs, T, K, dev);
-  check_2d(op, out, "out", T, H, dev);
-  check_rows(op, out, "out");
+  check_rows(op, out, "out", T, H, dev);
   check_same_dtype(op, out, "out", y, "y");
   if (dev.type == DeviceType::kCPU) return detail::moe_unpermute_cpu(y, map, probs, out);
 #ifdef MMFUSE_WITH_CUDA
   detail::moe_unpermute_cuda(y, map, probs, out, stream);
 #else
   (void)stream;
-  no_cuda(op);
+  no_cuda_backend(op);
 #endif
 }
 
@@ -163,16 +159,12 @@ void moe_unpermute_backward(const TensorView& dout, const TensorView& y, const T
   const char* op = "moe_unpermute_backward";
   MMFUSE_CHECK(y.defined(), op, ": y is missing");
   const Device dev = y.device;
-  check_2d(op, y, "y", -1, -1, dev);
-  check_rows(op, y, "y");
-  MMFUSE_CHECK(map.defined() && map.ndim == 2, op, ": row_id_map: expected [K, T], got ", shape_str(map));
+  check_rows(op, y, "y", -1, -1, dev);
+  check_map(op, map, dev);
   const int64_t K = map.shape[0], T = map.shape[1], N = y.shape[0], H = y.shape[1];
-  check_map(op, map, T, K, dev);
   check_probs(op, probs, T, K, dev);
-  check_2d(op, dout, "dout", T, H, dev);
-  check_rows(op, dout, "dout");
-  check_2d(op, dy, "dy", N, H, dev);
-  check_rows(op, dy, "dy");
+  check_rows(op, dout, "dout", T, H, dev);
+  check_rows(op, dy, "dy", N, H, dev);
   check_same_dtype(op, dout, "dout", y, "y");
   check_same_dtype(op, dy, "dy", y, "y");
   check_probs(op, dprobs, T, K, dev, "dprobs");
@@ -182,7 +174,7 @@ void moe_unpermute_backward(const TensorView& dout, const TensorView& y, const T
   detail::moe_unpermute_backward_cuda(dout, y, map, probs, dy, dprobs, ws, stream);
 #else
   (void)stream;
-  no_cuda(op);
+  no_cuda_backend(op);
 #endif
 }
 

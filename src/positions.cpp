@@ -28,12 +28,6 @@ void check_output(const char* op, const TensorView& v, const char* name, DType d
                dtype_name(v.dtype), " ", shape_str(v), " on ", device_name(v.device));
 }
 
-#ifndef MMFUSE_WITH_CUDA
-[[noreturn]] void no_cuda(const char* op) {
-  MMFUSE_FAIL(op, ": this build of mmfuse has no CUDA backend (built with MMFUSE_CUDA=OFF)");
-}
-#endif
-
 }  // namespace
 
 int64_t rope_index_workspace_size(int64_t batch) { return 2 * batch; }
@@ -89,7 +83,7 @@ void rope_index(const RopeIndexInputs& in, const RopeIndexParams& p, TensorView&
   detail::rope_index_cuda(in, p, pos, deltas, ws, stream);
 #else
   (void)stream;
-  no_cuda(op);
+  no_cuda_backend(op);
 #endif
 }
 
@@ -193,7 +187,7 @@ void vision_positions(const TensorView& g, int m, const VisionGridSizes& s, cons
   detail::vision_positions_cuda(g, m, s, inv_freq, positions, angles, ws, stream);
 #else
   (void)stream;
-  no_cuda(op);
+  no_cuda_backend(op);
 #endif
 }
 
@@ -213,7 +207,7 @@ void window_index(const TensorView& g, int m, int wside, const VisionGridSizes& 
   detail::window_index_cuda(g, m, wside, s, idx, rev, cu, cus, ws, stream);
 #else
   (void)stream;
-  no_cuda(op);
+  no_cuda_backend(op);
 #endif
 }
 

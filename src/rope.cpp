@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "common/dispatch.h"
+
 namespace mmfuse {
 namespace {
 
@@ -288,7 +290,7 @@ void vision_rope(const TensorView& q, const TensorView& k, const TensorView& fre
 #ifndef MMFUSE_WITH_CUDA
 void detail::mrope_cuda(const TensorView&, const TensorView&, const RopeAngles&, const RopeParams&, TensorView&,
                         TensorView&, cudaStream_t) {
-  MMFUSE_FAIL("mrope: this build of mmfuse has no CUDA backend (built with MMFUSE_CUDA=OFF)");
+  no_cuda_backend("mrope");
 }
 #endif
 

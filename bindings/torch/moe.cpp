@@ -14,8 +14,6 @@ using OptTensor = std::optional<Tensor>;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-Tensor rows_ready(const Tensor& t) { return t.dim() == 2 && t.size(1) > 1 && t.stride(1) != 1 ? t.contiguous() : t; }
-
 // An int32 scratch buffer of n elements on t's device (empty on the CPU, where the core needs none).
 Tensor workspace(const Tensor& t, int64_t n) {
   return at::empty({t.is_cuda() ? n : 0}, t.options().dtype(at::kInt));
@@ -40,7 +38,7 @@ std::tuple<Tensor, Tensor, Tensor> moe_plan_impl(const Tensor& indices, int64_t 
 }
 
 Tensor moe_permute_impl(const Tensor& x_in, const Tensor& row_id_map, int64_t num_rows) {
-  const Tensor x = rows_ready(x_in);
+  const Tensor x = kernel_ready(x_in);
   TORCH_CHECK_VALUE(num_rows >= 0, "mmfuse.moe_permute: num_rows: expected >= 0, got ", num_rows);
   Tensor out = at::empty({num_rows, x.dim() == 2 ? x.size(1) : 0}, x.options());
   guarded("moe_permute", [&] {
@@ -52,7 +50,7 @@ Tensor moe_permute_impl(const Tensor& x_in, const Tensor& row_id_map, int64_t nu
 }
 
 Tensor moe_unpermute_impl(const Tensor& y_in, const Tensor& row_id_map, const OptTensor& probs) {
-  const Tensor y = rows_ready(y_in);
+  const Tensor y = kernel_ready(y_in);
   Tensor out = at::empty({row_id_map.dim() == 2 ? row_id_map.size(1) : 0, y.dim() == 2 ? y.size(1) : 0}, y.options());
   guarded("moe_unpermute", [&] {
     TensorView ov = view(out, "out");
@@ -65,7 +63,7 @@ Tensor moe_unpermute_impl(const Tensor& y_in, const Tensor& row_id_map, const Op
 std::tuple<Tensor, Tensor> moe_unpermute_backward_impl(const Tensor& dout_in, const Tensor& y_in,
                                                        const Tensor& row_id_map, const OptTensor& probs,
                                                        bool compute_dprobs) {
-  const Tensor dout = rows_ready(dout_in), y = rows_ready(y_in);
+  const Tensor dout = kernel_ready(dout_in), y = kernel_ready(y_in);
   const int64_t K = row_id_map.dim() == 2 ? row_id_map.size(0) : 0, T = row_id_map.dim() == 2 ? row_id_map.size(1) : 0;
   Tensor dy = at::empty(y.sizes(), y.options());
   Tensor dprobs = at::empty(compute_dprobs ? at::IntArrayRef{T, K} : at::IntArrayRef{0}, y.options().dtype(at::kFloat));

@@ -136,12 +136,6 @@ void reject_angle_grad(const OptTensor& t, const char* name) {
                     " requires grad, but gradients with respect to the angles are not supported; detach it");
 }
 
-// Gradients from autograd can be expanded (stride 0) or otherwise strided in the last dim, which the
-// kernels do not take; those alone are made contiguous. User inputs are never copied silently.
-Tensor kernel_ready(const Tensor& g) {
-  return g.dim() > 0 && g.size(-1) > 1 && g.stride(-1) != 1 ? g.contiguous() : g;
-}
-
 template <bool Backward>
 struct MropeFn : public torch::autograd::Function<MropeFn<Backward>> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const OptTensor& cos,

@@ -61,6 +61,13 @@ inline cudaStream_t current_stream(const at::Tensor& t) {
   return nullptr;
 }
 
+// t itself when its last dim is contiguous, else a contiguous copy: for gradients from autograd,
+// which can be expanded (stride 0) or otherwise strided in the last dim that the kernels need
+// contiguous.
+inline at::Tensor kernel_ready(const at::Tensor& t) {
+  return t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t;
+}
+
 // Runs fn, turning mmfuse::Error into c10::ValueError (Python ValueError) with the core's message.
 // The torch error is thrown after the handler has finished, not from inside it.
 template <class F>

@@ -33,6 +33,11 @@ decltype(auto) dispatch_index(DType t, const char* what, F&& f) {
   }
 }
 
+// The error of an op given CUDA tensors in a build without the CUDA backend.
+[[noreturn]] inline void no_cuda_backend(const char* op) {
+  MMFUSE_FAIL(op, ": this build of mmfuse has no CUDA backend (built with MMFUSE_CUDA=OFF)");
+}
+
 // Element (i, j) of a 2-D int32 / int64 view, widened to int64 (host views; dtype already checked).
 inline int64_t index_at(const TensorView& v, int64_t i, int64_t j) {
   const int64_t off = i * v.stride[0] + j * v.stride[1];
