@@ -79,6 +79,9 @@ void guarded(const char* op, F&& fn) {
   } catch (const mmfuse::Error& e) {
     message = e.what();
   }
+  // The core's messages start with the op's name: say it once, as "mmfuse.<op>: ...".
+  const std::string prefix = std::string(op) + ": ";
+  if (message.compare(0, prefix.size(), prefix) == 0) message.erase(0, prefix.size());
   TORCH_CHECK_VALUE(false, "mmfuse.", op, ": ", message);
 }
 

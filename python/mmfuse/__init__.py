@@ -9,6 +9,7 @@ from .dual_gemm import dual_gemm, dual_gemm_out
 from .moe import Permuted, moe_permute, moe_unpermute
 from .positions import WindowIndex, rope_index, rot_pos_emb, vision_positions, window_index
 from .rope import mrope, mrope_, vision_rope
+from . import nn  # noqa: E402  (modules; after the ops they use)
 
 __all__ = ["Permuted", "WindowIndex", "dual_gemm", "dual_gemm_out", "moe_permute", "moe_unpermute", "mrope", "mrope_", "rope_index", "rot_pos_emb",
            "vision_positions", "vision_rope", "window_index"]

@@ -1,5 +1,6 @@
-// CPU backend of the dual-expert GEMM: one product at a time, a row of fp32 (fp64) accumulators per
-// output row, k in order, rounded once into the output dtype.
+// CPU backend of the dual-expert GEMM: one product at a time, fp32 (fp64) accumulation in k order (a
+// dot product an output when w is [n, k], a row of accumulators when it is [k, n]), rounded once.
+#include <algorithm>
 #include <vector>
 
 #include "common/dispatch.h"
@@ -15,15 +16,28 @@ void gemm_cpu(const TensorView& a, const TensorView& w, TensorView& out, const D
     using C = typename compute_type<S>::type;
     const S* A = static_cast<const S*>(a.data);
     const S* W = static_cast<const S*>(w.data);
-    // element (i, kk) of op(a) and (kk, j) of op(w)
+    // element (i, kk) of op(a)
     auto a_at = [&](int64_t i, int64_t kk) { return o.trans_a ? A[kk * a.stride[0] + i] : A[i * a.stride[0] + kk]; };
-    auto w_at = [&](int64_t kk, int64_t j) { return o.trans_b ? W[j * w.stride[0] + kk] : W[kk * w.stride[0] + j]; };
     std::vector<C> acc(static_cast<size_t>(n));
     for (int64_t i = 0; i < m; ++i) {
-      std::fill(acc.begin(), acc.end(), C(0));
-      for (int64_t kk = 0; kk < k; ++kk) {
-        const C x = load_val(a_at(i, kk));
-        for (int64_t j = 0; j < n; ++j) acc[j] += x * load_val(w_at(kk, j));
+      if (o.trans_b) {  // w's rows are contiguous in k: dot products, kBlk outputs at a time, k in order
+        constexpr int64_t kBlk = 8;
+        for (int64_t j0 = 0; j0 < n; j0 += kBlk) {
+          const int64_t nb = std::min(kBlk, n - j0);
+          C sum[kBlk] = {};
+          for (int64_t kk = 0; kk < k; ++kk) {
+            const C x = load_val(a_at(i, kk));
+            for (int64_t u = 0; u < nb; ++u) sum[u] += x * load_val(W[(j0 + u) * w.stride[0] + kk]);
+          }
+          for (int64_t u = 0; u < nb; ++u) acc[j0 + u] = sum[u];
+        }
+      } else {  // w's rows are contiguous in n: a row of accumulators, k in order
+        std::fill(acc.begin(), acc.end(), C(0));
+        for (int64_t kk = 0; kk < k; ++kk) {
+          const C x = load_val(a_at(i, kk));
+          const S* wk = W + kk * w.stride[0];
+          for (int64_t j = 0; j < n; ++j) acc[j] += x * load_val(wk[j]);
+        }
       }
       auto write = [&](auto* O) {
         using T = std::remove_pointer_t<decltype(O)>;

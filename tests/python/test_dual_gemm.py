@@ -165,3 +165,135 @@ def test_cuda_graph_capture_and_no_host_sync():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got[0], mmfuse.dual_gemm(*ins, False, True)[0])
+
+
+# ---- mmfuse.nn.DualExpertMLP ----------------------------------------------------------------------
+
+class _SwiGLU(torch.nn.Module):
+    """The plain PyTorch expert the module is checked against (HF's LlamaMLP / Qwen2MLP shape)."""
+
+    def __init__(self, h, i, dtype):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(h, i, bias=False, dtype=dtype)
+        self.up_proj = torch.nn.Linear(h, i, bias=False, dtype=dtype)
+        self.down_proj = torch.nn.Linear(i, h, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _experts(hidden, inter, dtype, seed):
+    torch.manual_seed(seed)
+    ref = [_SwiGLU(h, i, dtype) for h, i in zip(hidden, inter)]
+    return ref, mmfuse.nn.DualExpertMLP.from_mlps(*ref)
+
+
+@pytest.mark.parametrize("m", [(37, 5), (0, 9), (6, 0), (1, 1)])
+def test_dual_expert_mlp_separate_streams_float64(m):
+    """Different hidden and intermediate sizes; forward and every gradient against two nn.Linear
+    experts in float64 (exact up to summation order)."""
+    ref, mod = _experts((24, 16), (40, 12), torch.float64, seed=sum(m))
+    x0 = torch.randn(m[0], 24, dtype=torch.float64, requires_grad=True)
+    x1 = torch.randn(m[1], 16, dtype=torch.float64, requires_grad=True)
+    y0, y1 = mod.forward_experts(x0, x1)
+    r0, r1 = ref[0](x0), ref[1](x1)
+    torch.testing.assert_close(y0, r0)
+    torch.testing.assert_close(y1, r1)
+    g0, g1 = torch.randn_like(r0), torch.randn_like(r1)
+    got = torch.autograd.grad((y0, y1), (x0, x1, mod.gate_up0, mod.down0, mod.gate_up1, mod.down1), (g0, g1))
+    want = torch.autograd.grad((r0, r1), [x0, x1] + [p for r in ref for p in r.parameters()], (g0, g1),
+                               allow_unused=True)
+    want = [w if w is not None else torch.zeros_like(p) for w, p in
+            zip(want, [x0, x1] + [p for r in ref for p in r.parameters()])]
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    for e in range(2):  # gate_up = [gate; up]
+        gate, up, down = want[2 + 3 * e: 5 + 3 * e]
+        torch.testing.assert_close(got[2 + 2 * e], torch.cat([gate, up]))
+        torch.testing.assert_close(got[3 + 2 * e], down)
+
+
+def test_dual_expert_mlp_gradcheck():
+    _, mod = _experts((6, 4), (5, 3), torch.float64, seed=1)
+    names = ("gate_up0", "down0", "gate_up1", "down1")
+
+    class Experts(torch.nn.Module):  # forward = forward_experts, for functional_call
+        def __init__(self):
+            super().__init__()
+            self.m = mod
+
+        def forward(self, x0, x1):
+            return self.m.forward_experts(x0, x1)
+
+    def f(x0, x1, *w):
+        return torch.func.functional_call(Experts(), {f"m.{n}": t for n, t in zip(names, w)}, (x0, x1))
+
+    x0 = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    x1 = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    ws = tuple(getattr(mod, n).detach().clone().requires_grad_(True) for n in names)
+    torch.autograd.gradcheck(f, (x0, x1) + ws)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dual_expert_mlp_mixed_sequence(device):
+    """A mixed sequence routed by token type (moe_permute top-1 of 2) against running each token through
+    its expert; bf16 on the device against the float64 experts of the same bf16 weights."""
+    ref, mod = _experts((32, 32), (48, 24), torch.float64, seed=7)
+    T = 29
+    g = torch.Generator().manual_seed(5)
+    token_type = (torch.rand(T, generator=g) < 0.3).long()  # ~30 % action tokens, interleaved
+    x = torch.randn(T, 32, generator=g, dtype=torch.float64)
+    want = torch.where(token_type[:, None] == 0, ref[0](x), ref[1](x))
+    torch.testing.assert_close(mod(x, token_type), want)
+    m0 = int((token_type == 0).sum())
+    torch.testing.assert_close(mod(x, token_type, num_tokens0=m0), want)
+    # bf16 on the device, gradients included
+    modb = mmfuse.nn.DualExpertMLP((32, 32), (48, 24), device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in modb.named_parameters():
+            p.copy_(getattr(mod, name))
+    wref = {n: p.detach().to(device, torch.bfloat16).double().requires_grad_(True) for n, p in modb.named_parameters()}
+
+    def expert(xx, e):
+        gu = xx @ wref[f"gate_up{e}"].t()
+        i = gu.shape[1] // 2
+        return (torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]) @ wref[f"down{e}"].t()
+
+    xb = x.to(device, torch.bfloat16).requires_grad_(True)
+    tt = token_type.to(device)
+    out = modb(xb, tt, num_tokens0=m0)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, 32)
+    xd = xb.detach().double().requires_grad_(True)
+    wantb = torch.where(tt[:, None] == 0, expert(xd, 0), expert(xd, 1))
+    torch.testing.assert_close(out.double(), wantb, rtol=0.03, atol=0.03)
+    gout = torch.randn(T, 32, generator=g).to(device, torch.bfloat16)
+    out.backward(gout)
+    wantb.backward(gout.double())
+    torch.testing.assert_close(xb.grad.double(), xd.grad, rtol=0.05, atol=0.05)
+    for n, p in modb.named_parameters():
+        torch.testing.assert_close(p.grad.double(), wref[n].grad, rtol=0.05, atol=0.05)
+
+
+def test_dual_expert_mlp_compile_and_bad_input():
+    _, mod = _experts((16, 16), (24, 8), torch.float32, seed=3)
+    x = torch.randn(2, 11, 16)
+    tt = torch.tensor([[0, 0, 1, 0, 1, 1, 0, 0, 0, 1, 0]] * 2)
+    m0 = int((tt == 0).sum())
+    want = mod(x, tt)
+    got = torch.compile(lambda a, b: mod(a, b, num_tokens0=m0), fullgraph=True)(x, tt)
+    torch.testing.assert_close(got, want)
+    assert got.shape == x.shape
+    with pytest.raises(ValueError, match=r"x: expected last dim 16 \(hidden_sizes\[0\]\), got shape \(3, 8\)"):
+        mod(torch.randn(3, 8), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"token_type: expected shape \(3,\)"):
+        mod(torch.randn(3, 16), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="expected dtype torch.float32 on cpu .the parameters'., got torch.float64"):
+        mod.forward_experts(torch.randn(2, 16, dtype=torch.float64), torch.randn(2, 16))
+    with pytest.raises(ValueError, match=r"num_tokens0: expected a count in \[0, 3\], got 5"):
+        mod(torch.randn(3, 16), torch.zeros(3, dtype=torch.long), num_tokens0=5)
+    with pytest.raises(ValueError, match="needs one width"):
+        mmfuse.nn.DualExpertMLP((16, 8), (4, 4))(torch.randn(3, 16), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"mmfuse.moe_plan: indices\[2\]\[0\] = 2: expected an expert id in \[0, 2\)"):
+        mod(torch.randn(3, 16), torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="num_tokens0 differs"):
+        mod(torch.randn(3, 16), torch.tensor([0, 1, 1]), num_tokens0=2)
