@@ -25,6 +25,7 @@ Dims check_expert(const char* op, int e, const TensorView& a, const TensorView& 
   for (const auto& [v, name] : {std::pair<const TensorView*, const std::string*>{&a, &an}, {&w, &wn}}) {
     MMFUSE_CHECK(v->dtype == in, op, ": ", *name, ": expected dtype ", dtype_name(in), " (that of a0), got ",
                  dtype_name(v->dtype));
+    if (v->shape[0] == 0 || v->shape[1] == 0) continue;  // no elements: the strides do not matter
     MMFUSE_CHECK(v->shape[1] <= 1 || v->stride[1] == 1, op, ": ", *name,
                  ": the last dim must be contiguous, got strides [", v->stride[0], ", ", v->stride[1], "]");
     MMFUSE_CHECK(v->shape[0] <= 1 || v->stride[0] >= v->shape[1], op, ": ", *name, ": row stride ", v->stride[0],
@@ -37,7 +38,8 @@ Dims check_expert(const char* op, int e, const TensorView& a, const TensorView& 
                shape_str(w));
   MMFUSE_CHECK(out.shape[0] == m && out.shape[1] == n, op, ": ", on, ": expected shape [", m, ", ", n, "], got ",
                shape_str(out));
-  MMFUSE_CHECK((out.shape[1] <= 1 || out.stride[1] == 1) && (out.shape[0] <= 1 || out.stride[0] == out.shape[1]), op,
+  const bool empty = out.shape[0] == 0 || out.shape[1] == 0;
+  MMFUSE_CHECK(empty || ((out.shape[1] <= 1 || out.stride[1] == 1) && (out.shape[0] <= 1 || out.stride[0] == out.shape[1])), op,
                ": ", on, ": expected a contiguous tensor (outputs are written in place), got strides [",
                out.stride[0], ", ", out.stride[1], "]");
   MMFUSE_CHECK(out.dtype == in || out.dtype == DType::kFloat32, op, ": ", on, ": expected dtype ", dtype_name(in),

@@ -72,7 +72,7 @@ struct DualGemmFn : public torch::autograd::Function<DualGemmFn> {
       const Tensor& ref = e == 0 ? s[0] : s[2];
       const Tensor& w = e == 0 ? s[1] : s[3];
       if (!grads[e].defined()) return at::zeros(out_shape(ref, w, ta, tb), ref.options());
-      return kernel_ready(grads[e].to(dtype));
+      return grads[e].to(dtype).contiguous();  // e.g. the expanded (stride-0) gradient of a sum()
     };
     const Tensor g0 = g(0), g1 = g(1);
     Tensor da0, da1, dw0, dw1;

@@ -1,7 +1,8 @@
 // CUDA backend of the dual-expert GEMM, first path: cuBLASLt. Each expert is one cublasLtMatmul on
-// the caller's stream. The descriptors, layouts and the heuristic's algorithm are built once per
-// problem (shape, layout, dtypes, pointer alignment, accumulate) and cached; a call after the first
-// does no device query, no host-to-device copy and no allocation (the workspace is the caller's).
+// the caller's stream. The heuristic's algorithm is chosen once per problem (shape, layout, dtypes,
+// pointer alignment, accumulate) and cached (bounded); the descriptors and layouts are initialised
+// in stack storage per call. A call after the first does no device query, no host-to-device copy and
+// no allocation (the workspace is the caller's).
 //
 // Row-major to column-major: out[m, n] = op(a) @ op(w) is, in cuBLAS's column-major terms,
 // out^T[n, m] = op(w)^T @ op(a)^T, where a row-major [r, c] buffer with row stride ld reads as a
@@ -60,16 +61,10 @@ struct Key {
   }
 };
 
-struct Plan {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t wl = nullptr, al = nullptr, cl = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-};
-
 struct Cache {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> handles;  // per device; live for the process
-  std::map<Key, Plan> plans;
+  std::map<Key, cublasLtMatmulAlgo_t> plans;
 };
 
 Cache& cache() {
@@ -86,39 +81,52 @@ cublasLtHandle_t handle_locked(Cache& c, int device) {
   return h;
 }
 
-Plan make_plan(cublasLtHandle_t h, const Key& key) {
-  Plan p;
+// The descriptors of one problem, in caller (stack) storage: built per call, a few host stores, no
+// allocation.
+struct Descs {
+  cublasLtMatmulDescOpaque_t desc;
+  cublasLtMatrixLayoutOpaque_t wl, al, cl;
+};
+
+void describe(const Key& key, Descs& d) {
   const cudaDataType_t in = cuda_type(key.in), out = cuda_type(key.out);
-  MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescInit(&d.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   // column-major operands: A = w (op: N if w is [k, n], T if [n, k]), B = a (N if [m, k], T if [k, m])
   const cublasOperation_t opw = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N, opa = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-  MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opw, sizeof(opw)));
-  MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opa, sizeof(opa)));
+  MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&d.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opw, sizeof(opw)));
+  MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&d.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opa, sizeof(opa)));
   // stored (column-major) shapes: w is [n, k] (N) or [k, n] (T); a is [k, m] (N) or [m, k] (T)
-  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.wl, in, key.tb ? key.k : key.n, key.tb ? key.n : key.k, key.ldw));
-  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.al, in, key.ta ? key.m : key.k, key.ta ? key.k : key.m, key.lda));
-  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.cl, out, key.n, key.m, key.n));
+  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d.wl, in, key.tb ? key.k : key.n, key.tb ? key.n : key.k, key.ldw));
+  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d.al, in, key.ta ? key.m : key.k, key.ta ? key.k : key.m, key.lda));
+  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d.cl, out, key.n, key.m, key.n));
+}
+
+// The heuristic's algorithm for a problem (the only thing cached: a plain value).
+cublasLtMatmulAlgo_t choose_algo(cublasLtHandle_t h, const Key& key, Descs& d) {
   cublasLtMatmulPreference_t pref = nullptr;
   MMFUSE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = key.ws;
-  MMFUSE_CUBLAS_CHECK(
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                           sizeof(ws));
   for (const auto& [attr, v] : {std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t>{
                                     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_w},
                                 {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a},
                                 {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_out},
                                 {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_out}})
-    MMFUSE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof(v)));
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof(v));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(h, p.desc, p.wl, p.al, p.cl, p.cl, pref, 1, &result, &found);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulAlgoGetHeuristic(h, &d.desc, &d.wl, &d.al, &d.cl, &d.cl, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   MMFUSE_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0, "dual_gemm: cuBLASLt has no algorithm for ", key.m, "x",
                key.n, "x", key.k, " (status ", int(st), ")");
-  p.algo = result.algo;
-  return p;
+  return result.algo;
 }
+
+// Problems whose algorithm is remembered; past this many (token counts that keep changing) the cache
+// starts over, so it stays bounded.
+constexpr size_t kMaxPlans = 4096;
 
 // One expert: out (+)= op(a) @ op(w).
 void gemm_one(const TensorView& a, const TensorView& w, TensorView& out, const DualGemmOptions& o, void* ws,
@@ -145,19 +153,24 @@ void gemm_one(const TensorView& a, const TensorView& w, TensorView& out, const D
   key.align_w = alignment(w.data);
   key.align_out = alignment(out.data);
   key.ws = ws_bytes;
+  Descs d;
+  describe(key, d);
   Cache& c = cache();
   cublasLtHandle_t h;
-  Plan plan;
+  cublasLtMatmulAlgo_t algo;
   {
     std::lock_guard<std::mutex> lock(c.mu);
     h = handle_locked(c, key.device);
     auto it = c.plans.find(key);
-    if (it == c.plans.end()) it = c.plans.emplace(key, make_plan(h, key)).first;
-    plan = it->second;
+    if (it == c.plans.end()) {
+      if (c.plans.size() >= kMaxPlans) c.plans.clear();
+      it = c.plans.emplace(key, choose_algo(h, key, d)).first;
+    }
+    algo = it->second;
   }
   const float alpha = 1.0f, beta = o.accumulate ? 1.0f : 0.0f;
-  MMFUSE_CUBLAS_CHECK(cublasLtMatmul(h, plan.desc, &alpha, w.data, plan.wl, a.data, plan.al, &beta, out.data, plan.cl,
-                                     out.data, plan.cl, &plan.algo, ws, ws_bytes, stream));
+  MMFUSE_CUBLAS_CHECK(cublasLtMatmul(h, &d.desc, &alpha, w.data, &d.wl, a.data, &d.al, &beta, out.data, &d.cl,
+                                     out.data, &d.cl, &algo, ws, ws_bytes, stream));
 }
 
 }  // namespace

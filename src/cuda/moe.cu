@@ -1,14 +1,15 @@
 // CUDA backend of the MoE routing.
 //
-// Plan: a stable counting sort of the flattened expert ids in two launches. The entries are cut into
-// C chunks (one block each). The first launch writes each chunk's histogram to the workspace. The
-// second launch: every block sums the histogram columns (its chunk's offset within each expert, and
-// the expert totals), scans the totals into expert offsets, then walks its chunk twice, a warp per
-// contiguous part: once to count each warp's ids, once to rank each entry among the equal ids of its
-// warp (warp-aggregated: __match_any_sync, or two ballots for two experts), so that an entry's
-// destination is offset(expert) + chunk offset + warp offset + rank. No atomics on global memory, no
-// host sync, deterministic; ids out of range stop the kernel with a message (reported after the hot
-// loops, so that the reporting call does not cost the loops registers).
+// Plan: a stable counting sort of the flattened expert ids in one cooperative launch. The entries are
+// cut into C chunks (one block each). Each block counts its chunk's ids a warp per contiguous part
+// (warp-aggregated: __match_any_sync, or two ballots for two experts) and writes the chunk histogram
+// to the workspace; after a grid-wide barrier every block sums the histogram columns (its chunk's
+// offset within each expert, and the expert totals), scans the totals into expert offsets, and ranks
+// each entry among the equal ids of its warp, so that an entry's destination is offset(expert) +
+// chunk offset + warp offset + rank. (Where the C blocks cannot all be resident, the same in two
+// launches, the second counting again.) No atomics on global memory, no host sync, deterministic; ids
+// out of range stop the kernel with a message (reported after the hot loops, so that the reporting
+// call does not cost the loops registers).
 //
 // Data movement is token-centric so that each input row is read once: permute reads x[t] and writes
 // its K destination rows; unpermute reads the K rows of token t and writes out[t]; the backward reads
@@ -19,7 +20,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "common/cuda_check.h"
 #include "common/dispatch.h"
@@ -130,44 +135,37 @@ __device__ __forceinline__ void count_tile(const int (&e)[kPlanItems], int32_t* 
   }
 }
 
+// Phase 1 of block c: this chunk's per-warp counts into cnt ([kPlanWarps][E], cleared by the caller
+// before a barrier), e left holding the warp's last tile.
 template <bool kTwo>
-__global__ void __launch_bounds__(kPlanThreads) moe_count_kernel(PlanArgs a) {
-  extern __shared__ int32_t sm[];  // [kPlanWarps][E]
-  const int w = threadIdx.x >> 5;
-  int32_t lo, hi;
-  warp_part(a, blockIdx.x, w, lo, hi);
-  int e[kPlanItems];
-  if (lo < hi) load_ids(a, lo, hi, e);  // first tile in flight while the counters are cleared
-  for (int32_t j = threadIdx.x; j < kPlanWarps * a.E; j += blockDim.x) sm[j] = 0;
-  __syncthreads();
+__device__ __forceinline__ void count_chunk(const PlanArgs& a, int32_t lo, int32_t hi, int (&e)[kPlanItems],
+                                            int32_t* cnt) {
   for (int32_t base = lo; base < hi; base += 32 * kPlanItems) {
     if (base != lo) load_ids(a, base, hi, e);
-    count_tile<kTwo>(e, sm + w * a.E);
+    count_tile<kTwo>(e, cnt);
   }
-  __syncthreads();
+}
+
+// Block c's chunk histogram (the column sums of cnt) to the workspace.
+__device__ __forceinline__ void write_hist(const PlanArgs& a, const int32_t* cnt) {
   for (int32_t x = threadIdx.x; x < a.E; x += blockDim.x) {
     int32_t s = 0;
 #pragma unroll
-    for (int v = 0; v < kPlanWarps; ++v) s += sm[v * a.E + x];
+    for (int v = 0; v < kPlanWarps; ++v) s += cnt[v * a.E + x];
     a.hist[blockIdx.x * a.E + x] = s;
   }
 }
 
+// Phase 2 of block c, after every chunk's histogram is written: the column sums (this chunk's offset
+// within each expert, pre, and the expert totals, tot; both cleared by the caller), the expert
+// offsets (an exclusive scan of the totals, kPlanThreads experts at a time), each warp's first
+// destination of every expert (in cnt, which holds the warp counts), then the ranks and the writes.
+// e holds the warp's first tile when its part is one tile (one_tile).
 template <bool kTwo>
-__global__ void __launch_bounds__(kPlanThreads) moe_rank_kernel(PlanArgs a) {
-  extern __shared__ int32_t sm[];  // cnt [kPlanWarps][E], pre [E], tot [E]
+__device__ __forceinline__ void rank_chunk(const PlanArgs& a, int32_t lo, int32_t hi, bool one_tile,
+                                           int (&e)[kPlanItems], int32_t* cnt, int32_t* pre, int32_t* tot) {
   const int32_t E = a.E, c = blockIdx.x;
-  int32_t* cnt = sm;
-  int32_t* pre = sm + kPlanWarps * E;
-  int32_t* tot = pre + E;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int32_t lo, hi;
-  warp_part(a, c, w, lo, hi);
-  const bool one_tile = hi - lo <= 32 * kPlanItems;  // then the ids stay in registers for both walks
-  int e[kPlanItems];
-  if (lo < hi) load_ids(a, lo, hi, e);
-  for (int32_t j = threadIdx.x; j < (kPlanWarps + 2) * E; j += blockDim.x) sm[j] = 0;
-  __syncthreads();
   // column sums of the chunk histograms: groups of threads split the chunks of each expert
   const int32_t G = E >= kPlanThreads ? 1 : kPlanThreads / E;
   for (int32_t j = threadIdx.x; j < E * G; j += blockDim.x) {
@@ -182,14 +180,7 @@ __global__ void __launch_bounds__(kPlanThreads) moe_rank_kernel(PlanArgs a) {
     atomicAdd(&pre[x], p);
     atomicAdd(&tot[x], s);
   }
-  // warp counts of this chunk
-  for (int32_t base = lo; base < hi; base += 32 * kPlanItems) {
-    if (base != lo) load_ids(a, base, hi, e);
-    count_tile<kTwo>(e, cnt + w * E);
-  }
   __syncthreads();
-  // expert offsets: an exclusive scan of the totals, kPlanThreads experts at a time; then each warp's
-  // first destination of every expert
   using Scan = cub::BlockScan<int32_t, kPlanThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   int32_t carry = 0;
@@ -233,6 +224,57 @@ __global__ void __launch_bounds__(kPlanThreads) moe_rank_kernel(PlanArgs a) {
       __syncwarp();
     }
   }
+}
+
+// The whole plan in one launch: count, a grid-wide barrier, rank (cooperative launch: all C blocks
+// resident). Shared memory: cnt [kPlanWarps][E], pre [E], tot [E].
+template <bool kTwo>
+__global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(PlanArgs a) {
+  extern __shared__ int32_t sm[];
+  int32_t* cnt = sm + (threadIdx.x >> 5) * a.E;
+  int32_t* pre = sm + kPlanWarps * a.E;
+  int32_t lo, hi;
+  warp_part(a, blockIdx.x, threadIdx.x >> 5, lo, hi);
+  const bool one_tile = hi - lo <= 32 * kPlanItems;  // then the ids stay in registers for both walks
+  int e[kPlanItems];
+  if (lo < hi) load_ids(a, lo, hi, e);  // first tile in flight while the counters are cleared
+  for (int32_t j = threadIdx.x; j < (kPlanWarps + 2) * a.E; j += blockDim.x) sm[j] = 0;
+  __syncthreads();
+  count_chunk<kTwo>(a, lo, hi, e, cnt);
+  __syncthreads();
+  write_hist(a, sm);
+  cooperative_groups::this_grid().sync();
+  rank_chunk<kTwo>(a, lo, hi, one_tile, e, sm, pre, pre + a.E);
+}
+
+// The same in two launches, where the C blocks cannot all be resident at once.
+template <bool kTwo>
+__global__ void __launch_bounds__(kPlanThreads) moe_count_kernel(PlanArgs a) {
+  extern __shared__ int32_t sm[];  // [kPlanWarps][E]
+  int32_t lo, hi;
+  warp_part(a, blockIdx.x, threadIdx.x >> 5, lo, hi);
+  int e[kPlanItems];
+  if (lo < hi) load_ids(a, lo, hi, e);
+  for (int32_t j = threadIdx.x; j < kPlanWarps * a.E; j += blockDim.x) sm[j] = 0;
+  __syncthreads();
+  count_chunk<kTwo>(a, lo, hi, e, sm + (threadIdx.x >> 5) * a.E);
+  __syncthreads();
+  write_hist(a, sm);
+}
+
+template <bool kTwo>
+__global__ void __launch_bounds__(kPlanThreads) moe_rank_kernel(PlanArgs a) {
+  extern __shared__ int32_t sm[];  // cnt [kPlanWarps][E], pre [E], tot [E]
+  int32_t* pre = sm + kPlanWarps * a.E;
+  int32_t lo, hi;
+  warp_part(a, blockIdx.x, threadIdx.x >> 5, lo, hi);
+  const bool one_tile = hi - lo <= 32 * kPlanItems;
+  int e[kPlanItems];
+  if (lo < hi) load_ids(a, lo, hi, e);
+  for (int32_t j = threadIdx.x; j < (kPlanWarps + 2) * a.E; j += blockDim.x) sm[j] = 0;
+  __syncthreads();
+  count_chunk<kTwo>(a, lo, hi, e, sm + (threadIdx.x >> 5) * a.E);  // the warp counts again
+  rank_chunk<kTwo>(a, lo, hi, one_tile, e, sm, pre, pre + a.E);
 }
 
 // ---- row movement ----
@@ -301,11 +343,41 @@ __device__ __forceinline__ void load_rows(const MapRef& m, int64_t k0, int64_t K
   }
 }
 
+// Per-device facts the launches need, queried once per device (host calls, no sync).
 int sm_count() {
-  int dev = 0, sms = 0;
+  static std::mutex mu;
+  static std::map<int, int> sms;
+  int dev = 0;
   MMFUSE_CUDA_CHECK(cudaGetDevice(&dev));
-  MMFUSE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = sms.find(dev);
+  if (it == sms.end()) {
+    int n = 0;
+    MMFUSE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    it = sms.emplace(dev, n).first;
+  }
+  return it->second;
+}
+
+// Blocks of `kernel` (kPlanThreads threads, `smem` dynamic bytes) resident at once on the device,
+// cached per (device, kernel, smem).
+int resident_blocks(const void* kernel, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, size_t>, int> cache;
+  int dev = 0;
+  MMFUSE_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto key = std::make_tuple(dev, kernel, smem);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  int per_sm = 0;
+  MMFUSE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPlanThreads, smem));
+  const int n = per_sm * sm_count();
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = n;
+  return n;
 }
 
 constexpr int kFlatThreads = 256, kPermUnroll = 4;
@@ -369,7 +441,9 @@ __global__ void __launch_bounds__(kFlatThreads) moe_permute_kernel(const char* _
 }
 
 // out[t] = sum_k w[t,k] * y[map[k][t]]: thread j sums vector j % V of token j / V (R vectors a
-// thread), KG rows at a time, all loads of a group in flight together; fp32 (fp64) in k order.
+// thread), KG rows at a time, fp32 (fp64) in k order. Software-pipelined over the steps (vector
+// group, k-group): the map entries of the next step are loaded while this step's rows are in flight,
+// so a step costs one memory round trip, not two (map, then rows).
 template <class S, int VEC, int KG, int R, bool kSmall>
 __global__ void __launch_bounds__(kFlatThreads) moe_unpermute_kernel(const S* __restrict__ y, int64_t ys, int64_t N,
                                                                      S* __restrict__ out, int64_t os, MapRef map,
@@ -380,47 +454,82 @@ __global__ void __launch_bounds__(kFlatThreads) moe_unpermute_kernel(const S* __
   using W = Vec<S, VEC>;
   const int64_t total = T * V, step = int64_t(gridDim.x) * kFlatThreads * R;
   BadEntry bad;
-  for (int64_t j0 = int64_t(blockIdx.x) * kFlatThreads * R + threadIdx.x; j0 < total; j0 += step) {
-    int64_t t[R], col[R];
-    C acc[R][VEC];
+  // (token, column) of the R vectors from j0, -1 past the end; the rows of their k-group k0
+  auto locate = [&](int64_t j0, int64_t (&t)[R], int64_t (&col)[R]) {
 #pragma unroll
     for (int u = 0; u < R; ++u) {
       const int64_t j = j0 + int64_t(u) * kFlatThreads;
-      t[u] = -1;
+      t[u] = -1, col[u] = 0;
       if (j < total) row_col<kSmall>(j, V, dv, t[u], col[u]);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[u][e] = C(0);
     }
-    for (int64_t k0 = 0; k0 < K; k0 += KG) {
-      int32_t r[R][KG];
-      W v[R][KG];
+  };
+  auto rows_of = [&](const int64_t (&t)[R], int64_t k0, int32_t (&r)[R][KG]) {
 #pragma unroll
-      for (int u = 0; u < R; ++u) {
+    for (int u = 0; u < R; ++u) {
 #pragma unroll
-        for (int kk = 0; kk < KG; ++kk) r[u][kk] = -1;
-        if (t[u] >= 0) load_rows<KG>(map, k0, K, t[u], N, r[u], bad);
-#pragma unroll
-        for (int kk = 0; kk < KG; ++kk)
-          if (r[u][kk] >= 0) v[u][kk] = load_ro(reinterpret_cast<const W*>(y + int64_t(r[u][kk]) * ys) + col[u]);
-      }
+      for (int kk = 0; kk < KG; ++kk) r[u][kk] = -1;
+      if (t[u] >= 0) load_rows<KG>(map, k0, K, t[u], N, r[u], bad);
+    }
+  };
+  int64_t j0 = int64_t(blockIdx.x) * kFlatThreads * R + threadIdx.x, k0 = 0;
+  int64_t t[R], col[R];
+  int32_t r[R][KG];
+  C acc[R][VEC];
+  locate(j0, t, col);
+  rows_of(t, 0, r);
+  while (j0 < total) {
+    if (k0 == 0) {
 #pragma unroll
       for (int u = 0; u < R; ++u)
 #pragma unroll
-        for (int kk = 0; kk < KG; ++kk) {
-          if (r[u][kk] < 0) continue;
-          const C w = probs ? C(probs[t[u] * ps0 + (k0 + kk) * ps1]) : C(1);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e)
-            acc[u][e] = cuda::add_rn(acc[u][e], cuda::mul_rn(w, C(cuda::dload(v[u][kk].v[e]))));
-        }
+        for (int e = 0; e < VEC; ++e) acc[u][e] = C(0);
     }
+    W v[R][KG];
+    C w[R][KG];
+#pragma unroll
+    for (int u = 0; u < R; ++u)
+#pragma unroll
+      for (int kk = 0; kk < KG; ++kk) {
+        if (r[u][kk] < 0) continue;
+        v[u][kk] = load_ro(reinterpret_cast<const W*>(y + int64_t(r[u][kk]) * ys) + col[u]);
+        w[u][kk] = probs ? C(probs[t[u] * ps0 + (k0 + kk) * ps1]) : C(1);
+      }
+    // the next step's map entries, in flight with this step's rows
+    int64_t jn = j0, kn = k0 + KG, tn[R], cn[R];
+    if (kn >= K) {
+      kn = 0, jn = j0 + step;
+      locate(jn, tn, cn);
+    } else {
+#pragma unroll
+      for (int u = 0; u < R; ++u) tn[u] = t[u], cn[u] = col[u];
+    }
+    int32_t rn[R][KG];
+    rows_of(tn, kn, rn);
+#pragma unroll
+    for (int u = 0; u < R; ++u)
+#pragma unroll
+      for (int kk = 0; kk < KG; ++kk) {
+        if (r[u][kk] < 0) continue;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+          acc[u][e] = cuda::add_rn(acc[u][e], cuda::mul_rn(w[u][kk], C(cuda::dload(v[u][kk].v[e]))));
+      }
+    if (kn == 0) {
+#pragma unroll
+      for (int u = 0; u < R; ++u) {
+        if (t[u] < 0) continue;
+        W o;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) o.v[e] = cuda::dstore<S>(acc[u][e]);
+        reinterpret_cast<W*>(out + t[u] * os)[col[u]] = o;
+      }
+    }
+    j0 = jn, k0 = kn;
 #pragma unroll
     for (int u = 0; u < R; ++u) {
-      if (t[u] < 0) continue;
-      W o;
+      t[u] = tn[u], col[u] = cn[u];
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) o.v[e] = cuda::dstore<S>(acc[u][e]);
-      reinterpret_cast<W*>(out + t[u] * os)[col[u]] = o;
+      for (int kk = 0; kk < KG; ++kk) r[u][kk] = rn[u][kk];
     }
   }
   if (bad.t >= 0) bad_row("moe_unpermute", map, bad.k, bad.t, N);
@@ -447,27 +556,36 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
   const int64_t step = int64_t(gridDim.x) * blockDim.y;
   BadEntry bad;
   int32_t dup = -1;  // a row this thread found marked already
-  for (int64_t tb = int64_t(blockIdx.x) * blockDim.y; tb < T; tb += step) {
+  // Software-pipelined over the steps (token group, k-group): the next step's map entries are loaded
+  // while this step's rows are in flight.
+  auto rows_of = [&](int64_t t, int64_t k0, int32_t (&r)[KG]) {
+    if (t < T) {
+      load_rows<KG>(map, k0, K, t, N, r, bad);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < KG; ++kk) r[kk] = -1;
+    }
+  };
+  int64_t tb = int64_t(blockIdx.x) * blockDim.y, k0 = 0;
+  int32_t r[KG];
+  rows_of(tb + threadIdx.y, 0, r);
+  while (tb < T) {  // uniform over the block (the barriers below)
     const int64_t t = tb + threadIdx.y;
     const bool active = t < T;
-    for (int64_t k0 = 0; k0 < K; k0 += KG) {
-      int32_t r[KG];
+    int64_t kn = k0 + KG, tbn = tb;
+    if (kn >= K) kn = 0, tbn = tb + step;
+    int32_t rn[KG];
+    rows_of(tbn + threadIdx.y, kn, rn);
+    {
       C w[KG], dot[KG];
-      if (active) {
-        load_rows<KG>(map, k0, K, t, N, r, bad);
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < KG; ++kk) r[kk] = -1;
-      }
-      // lane kk of the token's first warp marks entry kk's row (the old bits are checked at the end)
       uint32_t old = 0, bit = 0;
       int32_t mine = -1;
-      if (threadIdx.x < KG && active && k0 + threadIdx.x < K) {
-        mine = map(k0 + threadIdx.x, t);
-        if (mine >= 0 && mine < N) {
-          bit = 1u << (mine & 31);
-          old = atomicOr(&covered[mine >> 5], bit);
-        }
+#pragma unroll
+      for (int kk = 0; kk < KG; ++kk)
+        if (threadIdx.x == kk) mine = r[kk];
+      if (mine >= 0) {
+        bit = 1u << (mine & 31);
+        old = atomicOr(&covered[mine >> 5], bit);
       }
 #pragma unroll
       for (int kk = 0; kk < KG; ++kk) {
@@ -517,6 +635,9 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
       }
       if (old & bit) dup = mine;
     }
+    tb = tbn, k0 = kn;
+#pragma unroll
+    for (int kk = 0; kk < KG; ++kk) r[kk] = rn[kk];
   }
   if (bad.t >= 0) bad_row("moe_unpermute_backward", map, bad.k, bad.t, N);
   if (dup >= 0) duplicate_row(dup);
@@ -573,6 +694,15 @@ void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map,
   const size_t smem_count = size_t(kPlanWarps) * E * 4, smem_rank = size_t(kPlanWarps + 2) * E * 4;
   auto go = [&](auto two) {
     constexpr bool kTwo = decltype(two)::value;
+    const void* fused = reinterpret_cast<const void*>(&moe_plan_kernel<kTwo>);
+    set_smem(fused, smem_rank);
+    if (a.C <= resident_blocks(fused, smem_rank)) {  // one launch: count, grid barrier, rank
+      void* args[] = {&a};
+      MMFUSE_CUDA_CHECK(cudaLaunchCooperativeKernel(fused, dim3(unsigned(a.C)), dim3(kPlanThreads), args, smem_rank,
+                                                    stream));
+      MMFUSE_CUDA_CHECK_LAUNCH("moe_plan_kernel");
+      return;
+    }
     set_smem(reinterpret_cast<const void*>(&moe_count_kernel<kTwo>), smem_count);
     set_smem(reinterpret_cast<const void*>(&moe_rank_kernel<kTwo>), smem_rank);
     moe_count_kernel<kTwo><<<unsigned(a.C), kPlanThreads, smem_count, stream>>>(a);

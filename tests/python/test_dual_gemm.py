@@ -297,3 +297,23 @@ def test_dual_expert_mlp_compile_and_bad_input():
         mod(torch.randn(3, 16), torch.tensor([0, 1, 2]))
     with pytest.raises(RuntimeError, match="num_tokens0 differs"):
         mod(torch.randn(3, 16), torch.tensor([0, 1, 1]), num_tokens0=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_of_sum_with_an_empty_expert(device):
+    """The gradients autograd hands in may be expanded (stride 0, as from sum()) or empty."""
+    g = torch.Generator().manual_seed(11)
+    for ta, tb in ((False, True), (True, False)):
+        (a0, w0), (a1, w1) = _make(9, 12, 8, ta, tb, torch.float32, g), _make(0, 5, 8, ta, tb, torch.float32, g)
+        ins = [t.to(device).requires_grad_(True) for t in (a0, w0, a1, w1)]
+        o0, o1 = mmfuse.dual_gemm(*ins, ta, tb)
+        (o0.sum() + 2 * o1.sum()).backward()
+        ref = [t.detach().cpu().double().requires_grad_(True) for t in ins]
+        r0, r1 = _op(ref[0], ta) @ _op(ref[1], tb), _op(ref[2], ta) @ _op(ref[3], tb)
+        (r0.sum() + 2 * r1.sum()).backward()
+        for got, want in zip(ins, ref):
+            torch.testing.assert_close(got.grad.cpu().double(), want.grad, rtol=1e-5, atol=1e-5)
+    mlp = mmfuse.nn.DualExpertMLP((16, 16), (8, 4), device=device)
+    x = torch.randn(7, 16, device=device, requires_grad=True)
+    mlp(x, torch.tensor([0, 1, 0, 0, 1, 1, 0], device=device), num_tokens0=4).sum().backward()
+    assert x.grad.shape == x.shape and all(p.grad is not None for p in mlp.parameters())
