@@ -39,7 +39,8 @@ Dims check_expert(const char* op, int e, const TensorView& a, const TensorView& 
   MMFUSE_CHECK(out.shape[0] == m && out.shape[1] == n, op, ": ", on, ": expected shape [", m, ", ", n, "], got ",
                shape_str(out));
   const bool empty = out.shape[0] == 0 || out.shape[1] == 0;
-  MMFUSE_CHECK(empty || ((out.shape[1] <= 1 || out.stride[1] == 1) && (out.shape[0] <= 1 || out.stride[0] == out.shape[1])), op,
+  const bool dense = (out.shape[1] <= 1 || out.stride[1] == 1) && (out.shape[0] <= 1 || out.stride[0] == out.shape[1]);
+  MMFUSE_CHECK(empty || dense, op,
                ": ", on, ": expected a contiguous tensor (outputs are written in place), got strides [",
                out.stride[0], ", ", out.stride[1], "]");
   MMFUSE_CHECK(out.dtype == in || out.dtype == DType::kFloat32, op, ": ", on, ": expected dtype ", dtype_name(in),
