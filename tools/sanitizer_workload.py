@@ -60,5 +60,24 @@ if os.environ.get("MMFUSE_SANITIZER_TOOL") != "racecheck":
     mlp = mmfuse.nn.DualExpertMLP((64, 64), (96, 32), device="cuda", dtype=torch.bfloat16)
     xm = torch.randn(33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mlp(xm, (torch.arange(33, device="cuda") % 3 == 0).long(), num_tokens0=22).float().sum().backward()
+# fp8: the quantize kernels under both tools (one tensor and two in one launch, every source dtype,
+# dynamic and delayed); the layer end to end (its GEMMs are cuBLASLt) under memcheck only
+from mmfuse import fp8 as f8  # noqa: E402
+
+for r, c, dt in ((300, 136, torch.bfloat16), (7, 45, torch.float32), (1000, 64, torch.float16), (0, 16, torch.bfloat16)):
+    xq = torch.randn(r, c, device="cuda", dtype=dt)
+    st = f8.new_state(4, "cuda")
+    f8.fp8_quantize(xq, st, transposed=True)
+    f8.fp8_quantize(xq, st, transposed=True, dynamic=False, dtype=f8.E5M2)
+    f8.fp8_quantize(xq, st, rowwise=False, transposed=True)
+if os.environ.get("MMFUSE_SANITIZER_TOOL") != "racecheck":
+    for k_in, n_out in ((136, 72), (45, 29)):
+        lin = mmfuse.nn.Fp8Linear(k_in, n_out, device="cuda", dtype=torch.bfloat16, fallback=False, scaling="delayed")
+        for first in (True, False, False):
+            xl = torch.randn(3, 37, k_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            lin(xl, is_first_microbatch=first).float().sum().backward()
+        xl = torch.randn(50, k_in, device="cuda", dtype=torch.bfloat16)
+        f8.fp8_linear_backward(torch.randn(50, n_out, device="cuda", dtype=torch.bfloat16), xl,
+                               lin.weight.detach(), (True, True, True))
 torch.cuda.synchronize()
 print("sanitizer workload done")

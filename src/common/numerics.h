@@ -67,6 +67,42 @@ inline f16 to_f16(float f) {
 inline float to_float(float v) { return v; }
 inline double to_double(double v) { return v; }
 
+// FP8 (OCP e4m3 "fn": bias 7, max 448, no inf, NaN 0x7f; e5m2: bias 15, max 57344) on the host:
+// round to nearest even with saturation to the largest finite value (what the CUDA conversion
+// __nv_cvt_float_to_fp8(..., __NV_SATFINITE, ...) does); NaN becomes 0x7f (sign kept).
+inline uint8_t float_to_fp8(float f, bool e4m3) {
+  const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+  const uint8_t max_code = e4m3 ? 0x7e : 0x7b;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
+  if (std::isnan(f)) return uint8_t(sign | 0x7f);
+  const float a = std::fabs(f);
+  if (std::isinf(a)) return uint8_t(sign | max_code);
+  const int emin = 1 - bias;  // exponent of the smallest normal
+  uint32_t code;
+  if (a < std::ldexp(1.0f, emin)) {  // subnormal: units of 2^(emin - mbits); 2^mbits units is the smallest normal
+    code = uint32_t(std::nearbyint(std::ldexp(a, mbits - emin)));
+  } else {
+    int e;
+    const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+    --e;                                // a = (2m) * 2^e, 2m in [1, 2)
+    if (e + bias > 30) return uint8_t(sign | max_code);  // far beyond the range
+    const uint32_t frac = uint32_t(std::nearbyint(std::ldexp(2.0f * m - 1.0f, mbits)));  // may carry
+    code = (uint32_t(e + bias) << mbits) + frac;
+  }
+  return uint8_t(sign | (code > max_code ? max_code : code));
+}
+
+inline float fp8_to_float(uint8_t b, bool e4m3) {
+  const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+  const int e = (b & 0x7f) >> mbits, m = b & ((1 << mbits) - 1);
+  float v;
+  if (e4m3 && (b & 0x7f) == 0x7f) v = std::nanf("");
+  else if (!e4m3 && e == 31) v = m ? std::nanf("") : INFINITY;
+  else if (e == 0) v = std::ldexp(float(m), 1 - bias - mbits);
+  else v = std::ldexp(1.0f + std::ldexp(float(m), -mbits), e - bias);
+  return (b & 0x80) ? -v : v;
+}
+
 // Compute type of a storage type: double for double, float otherwise.
 template <class T>
 struct compute_type {

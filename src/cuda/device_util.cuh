@@ -6,6 +6,10 @@
 
 #include <cassert>
 #include <cstdio>
+#include <map>
+#include <mutex>
+
+#include "common/cuda_check.h"
 
 #include "mmfuse/common.h"
 
@@ -29,6 +33,23 @@ struct IndexRef {  // 2-D int32 / int64 view
     return i64 ? static_cast<const int64_t*>(p)[o] : int64_t(static_cast<const int32_t*>(p)[o]);
   }
 };
+
+// Per-device facts the launches need, queried once per device (host calls, no sync):
+// the SM count of the current device.
+inline int sm_count() {
+  static std::mutex mu;
+  static std::map<int, int> sms;
+  int dev = 0;
+  MMFUSE_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = sms.find(dev);
+  if (it == sms.end()) {
+    int n = 0;
+    MMFUSE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    it = sms.emplace(dev, n).first;
+  }
+  return it->second;
+}
 
 inline IndexRef index_ref(const TensorView& v) {
   IndexRef r;

@@ -16,14 +16,8 @@
 #include <tuple>
 
 #include "common/cuda_check.h"
+#include "cuda/cublaslt.h"
 #include "mmfuse/dual_gemm.h"
-
-#define MMFUSE_CUBLAS_CHECK(expr)                                                                      \
-  do {                                                                                                 \
-    cublasStatus_t mmfuse_st_ = (expr);                                                                \
-    MMFUSE_CHECK(mmfuse_st_ == CUBLAS_STATUS_SUCCESS, "cuBLASLt error in ", #expr, ": status ",      \
-                 int(mmfuse_st_));                                                                     \
-  } while (0)
 
 namespace mmfuse {
 namespace detail {
@@ -37,13 +31,7 @@ cudaDataType_t cuda_type(DType t) {
   }
 }
 
-// Largest power of two (at most 256) dividing the address: the alignment cuBLASLt may assume.
-uint32_t alignment(const void* p) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  uint32_t b = 256;
-  while (b > 1 && a % b) b /= 2;
-  return b;
-}
+using cuda::alignment;
 
 struct Key {
   int device;
@@ -63,22 +51,12 @@ struct Key {
 
 struct Cache {
   std::mutex mu;
-  std::map<int, cublasLtHandle_t> handles;  // per device; live for the process
   std::map<Key, cublasLtMatmulAlgo_t> plans;
 };
 
 Cache& cache() {
   static Cache* c = new Cache();  // never destroyed: no teardown order issues at exit
   return *c;
-}
-
-cublasLtHandle_t handle_locked(Cache& c, int device) {
-  auto it = c.handles.find(device);
-  if (it != c.handles.end()) return it->second;
-  cublasLtHandle_t h = nullptr;
-  MMFUSE_CUBLAS_CHECK(cublasLtCreate(&h));
-  c.handles[device] = h;
-  return h;
 }
 
 // The descriptors of one problem, in caller (stack) storage: built per call, a few host stores, no
@@ -103,25 +81,12 @@ void describe(const Key& key, Descs& d) {
 
 // The heuristic's algorithm for a problem (the only thing cached: a plain value).
 cublasLtMatmulAlgo_t choose_algo(cublasLtHandle_t h, const Key& key, Descs& d) {
-  cublasLtMatmulPreference_t pref = nullptr;
-  MMFUSE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = key.ws;
-  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                           sizeof(ws));
-  for (const auto& [attr, v] : {std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t>{
-                                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_w},
-                                {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a},
-                                {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_out},
-                                {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_out}})
-    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof(v));
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(h, &d.desc, &d.wl, &d.al, &d.cl, &d.cl, pref, 1, &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  MMFUSE_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0, "dual_gemm: cuBLASLt has no algorithm for ", key.m, "x",
-               key.n, "x", key.k, " (status ", int(st), ")");
-  return result.algo;
+  cublasLtMatmulAlgo_t algo;
+  int st = 0;
+  const bool ok = cuda::cublaslt_first_algo(h, &d.desc, &d.wl, &d.al, &d.cl, &d.cl, key.ws,
+                                            {key.align_w, key.align_a, key.align_out, key.align_out}, &algo, &st);
+  MMFUSE_CHECK(ok, "dual_gemm: cuBLASLt has no algorithm for ", key.m, "x", key.n, "x", key.k, " (status ", st, ")");
+  return algo;
 }
 
 // Problems whose algorithm is remembered; past this many (token counts that keep changing) the cache
@@ -156,11 +121,10 @@ void gemm_one(const TensorView& a, const TensorView& w, TensorView& out, const D
   Descs d;
   describe(key, d);
   Cache& c = cache();
-  cublasLtHandle_t h;
+  const cublasLtHandle_t h = cuda::cublaslt_handle(key.device);
   cublasLtMatmulAlgo_t algo;
   {
     std::lock_guard<std::mutex> lock(c.mu);
-    h = handle_locked(c, key.device);
     auto it = c.plans.find(key);
     if (it == c.plans.end()) {
       if (c.plans.size() >= kMaxPlans) c.plans.clear();

@@ -343,21 +343,7 @@ __device__ __forceinline__ void load_rows(const MapRef& m, int64_t k0, int64_t K
   }
 }
 
-// Per-device facts the launches need, queried once per device (host calls, no sync).
-int sm_count() {
-  static std::mutex mu;
-  static std::map<int, int> sms;
-  int dev = 0;
-  MMFUSE_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = sms.find(dev);
-  if (it == sms.end()) {
-    int n = 0;
-    MMFUSE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    it = sms.emplace(dev, n).first;
-  }
-  return it->second;
-}
+using cuda::sm_count;
 
 // Blocks of `kernel` (kPlanThreads threads, `smem` dynamic bytes) resident at once on the device,
 // cached per (device, kernel, smem).

@@ -1,0 +1,81 @@
+// FP8 linear building blocks (SEMANTICS.md section 7): the quantize pass and the fp8 GEMM.
+//
+// Quantize (per tensor): scale = fp8_max / max(amax, 1e-12) (fp8_max: 448 for e4m3, 57344 for e5m2),
+// q = saturate_rne(x * scale) (fp32 multiply, round to nearest even, clamped to +-fp8_max; NaN stays
+// NaN), scale_inv = 1 / scale (the dequantization factor the GEMM applies). One pass over x writes
+// the row-major copy q [pad(R), pad(C)] and / or the transposed copy qt [pad(C), pad(R)] (pad: up to
+// a multiple of 16); the padding is zero, so products over a padded k are exact and every operand
+// suits the fp8 tensor cores (which want k, n and the leading dimensions in multiples of 16).
+//
+// Where amax comes from (Fp8ScaleState, owned by the caller, e.g. by a module; never keyed by data
+// pointer): a float32 buffer [H + 2]: history[0..H) (the amaxes of the last H calls, newest first),
+// then two words of scratch that the kernels leave at zero (a running maximum and a block counter:
+// allocate the state zeroed once, and never run two calls on one state concurrently).
+//   - dynamic (current scaling): a first pass computes this tensor's amax into history[0] (the older
+//     entries shift by one); the cast uses it. Two passes over x, exact scale.
+//   - delayed: the cast uses max(history) and records this tensor's amax into the history in the same
+//     pass (one pass over x; values beyond the delayed range saturate). A fresh state (history all
+//     zero) gets this tensor's amax first, as dynamic scaling would (decided on the device: the amax
+//     pass still launches, and returns at once when the history has an entry), so the first call is
+//     exact and no caller has to know which call is first.
+// Up to two tensors (e.g. x and w) quantize in one launch (and one amax launch).
+//
+// GEMM: out [M, N] (+)= (a [M, K] @ b [N, K]^T) * scale_a[0] * scale_b[0] (+ bias [N]), a and b fp8
+// (e4m3, or one of them e5m2: the gradient), K and N multiples of 16 (padded copies; a may be the
+// first M rows of one), fp32 accumulation (fast accumulation optional, the forward's choice), out
+// bf16 (optionally with a bf16 bias) or fp32 (optionally accumulated into: weight-gradient
+// accumulation), contiguous.
+//
+// Backends: CPU (emulation of the same numerics, for tests: the quantize is bitwise equal to the
+// CUDA one; the GEMM accumulates in fp32 in k order, so it matches the tensor cores within fp32
+// rounding) and CUDA (quantize kernels; cuBLASLt GEMM with device scale pointers, algorithms cached
+// per problem, the caller's workspace).
+#pragma once
+
+#include "mmfuse/common.h"
+
+namespace mmfuse {
+
+constexpr float kFp8AmaxEps = 1e-12f;
+constexpr int64_t kFp8Align = 16;  // padding of every fp8 row (elements = bytes)
+
+inline int64_t fp8_padded(int64_t n) { return (n + kFp8Align - 1) / kFp8Align * kFp8Align; }
+MMFUSE_API float fp8_max(DType fp8);  // 448 (e4m3) or 57344 (e5m2)
+
+struct Fp8QuantJob {
+  TensorView src;        // [R, C] bf16, fp16 or fp32, contiguous last dim
+  TensorView q;          // optional: [fp8_padded(R), fp8_padded(C)] fp8 (e4m3 / e5m2), contiguous
+  TensorView qt;         // optional: [fp8_padded(C), fp8_padded(R)] fp8 of the same format, contiguous
+  TensorView scale_inv;  // [1] float32 out: 1 / scale
+  TensorView state;      // [H + 2] float32 in/out (see above), H >= 1
+  bool dynamic = true;
+};
+
+// jobs: 1 or 2 tensors, all on one device.
+MMFUSE_API void fp8_quantize(Fp8QuantJob* jobs, int num_jobs, cudaStream_t stream);
+
+struct Fp8GemmOptions {
+  bool accumulate = false;  // out += ..., out float32, no bias
+  bool fast_accum = true;   // the tensor cores' fast fp8 accumulation (forward); false: split (backward)
+};
+
+// Bytes of the CUDA workspace (contiguous, on the inputs' device; ignored on the CPU).
+MMFUSE_API int64_t fp8_gemm_workspace_bytes();
+
+MMFUSE_API void fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& scale_a,
+                         const TensorView& scale_b, const TensorView& bias, TensorView& out,
+                         const Fp8GemmOptions& options, TensorView& workspace, cudaStream_t stream);
+
+namespace detail {
+void fp8_quantize_cpu(const Fp8QuantJob& job);
+void fp8_gemm_cpu(const TensorView& a, const TensorView& b, float scale_a, float scale_b, const TensorView& bias,
+                  TensorView& out, const Fp8GemmOptions& options);
+#ifdef MMFUSE_WITH_CUDA
+void fp8_quantize_cuda(Fp8QuantJob* jobs, int num_jobs, cudaStream_t stream);
+void fp8_gemm_cuda(const TensorView& a, const TensorView& b, const TensorView& scale_a, const TensorView& scale_b,
+                   const TensorView& bias, TensorView& out, const Fp8GemmOptions& options, TensorView& workspace,
+                   cudaStream_t stream);
+#endif
+}  // namespace detail
+
+}  // namespace mmfuse

@@ -1,0 +1,162 @@
+"""``mmfuse-bench fp8``: the fp8 linear layer against bf16 ``F.linear`` and against fp8 built from PyTorch
+pieces (amax, scale, saturating cast, ``torch._scaled_mm``; eager and ``torch.compile``), forward and
+forward+backward, at the shapes of PERFORMANCE.md (``M x K x N`` = tokens x in x out), plus the quantize
+pass's effective bandwidth against the copy ceiling, all in one run.
+
+Rows: ``mmfuse`` = ``Fp8Linear(fallback=False)`` with dynamic scaling and w quantized on every call;
+``mmfuse cached-w`` = the micro-batch case (w's fp8 copies reused, x scaled by its delayed history);
+``auto`` = ``Fp8Linear`` as shipped (bf16 below the measured :func:`mmfuse.fp8.fp8_pays` threshold).
+``share`` = time / bf16 time (issue 6's targets for fwd+bwd: <= 0.58, 0.62, 0.66 on the three big
+shapes, <= 1.00 at 2048x1024x1024 and below). ``launches`` = kernels of one forward (target <= 3)."""
+
+import torch
+import torch.nn.functional as F
+
+from .. import fp8
+from ..nn import Fp8Linear
+from .common import copy_bandwidth_gbs, time_us
+
+_SHAPES = [(16384, 8192, 8192), (8192, 4096, 14336), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 2048, 11008),
+           (4096, 4096, 4096), (4096, 2048, 2048), (2048, 1024, 1024), (1024, 1024, 1024)]
+_QUICK_SHAPES = [(16384, 8192, 8192), (8192, 4096, 14336), (8192, 4096, 4096), (2048, 1024, 1024)]
+_CPU_SHAPES = [(256, 192, 320)]
+
+
+class _TorchFp8(torch.autograd.Function):
+    """fp8 linear from PyTorch pieces (tensorwise dynamic scaling), the way a user would write it."""
+
+    @staticmethod
+    def _q(t, dtype):
+        fmax = torch.finfo(dtype).max
+        scale = fmax / t.abs().amax().float().clamp_min(1e-12)
+        return (t.float() * scale).clamp(-fmax, fmax).to(dtype), scale.reciprocal()
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        xq, xs = _TorchFp8._q(x, torch.float8_e4m3fn)
+        wq, ws = _TorchFp8._q(w, torch.float8_e4m3fn)
+        ctx.save_for_backward(xq, xs, wq, ws)
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=b, out_dtype=torch.bfloat16,
+                                use_fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        xq, xs, wq, ws = ctx.saved_tensors
+        gq, gs = _TorchFp8._q(g, torch.float8_e5m2)
+        dx = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
+        dw = torch._scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), scale_a=gs, scale_b=xs,
+                              out_dtype=torch.bfloat16)
+        return dx, dw, g.sum(0)
+
+
+def _kernels_of(fn) -> list:
+    """Names of the CUDA kernels (and memsets / copies) one call of fn runs, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _rel(a, b) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-30))
+
+
+def run(device: str, quick: bool = False) -> dict:
+    it = dict(iters=8 if quick else 20, warmup=3)
+    out = {"rows": []}
+    on_gpu = device == "cuda"
+    if on_gpu:
+        copy = copy_bandwidth_gbs(device)
+        print(f"\ncopy ceiling: {copy:.0f} GB/s")
+        out["copy_gbs"] = copy
+    shapes = (_QUICK_SHAPES if quick else _SHAPES) if on_gpu else _CPU_SHAPES
+    g = torch.Generator().manual_seed(0)
+    compiled_fwd = torch.compile(lambda x, w, b: _TorchFp8.apply(x, w, b))
+
+    def compiled_step(x, w, b, gy):
+        _TorchFp8.apply(x, w, b).backward(gy)
+
+    compiled_fb = torch.compile(compiled_step)
+    print(f"\n## fp8 linear ({'bf16 in/out, fp32 accumulate' if on_gpu else 'CPU emulation'}; M x K x N; "
+          "share = time / bf16 F.linear time)")
+    hdr = (f"| {'shape':<18} | {'pass':<7} | {'bf16 us':>9} | {'mmfuse us':>9} | {'share':>5} | {'cached-w':>8} | "
+           f"{'auto':>5} | {'torch fp8 eager':>15} | {'compiled':>8} | {'launches':>8} | {'rel err':>7} |")
+    print(hdr)
+    print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
+    for (m, k, n) in shapes:
+        x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, torch.bfloat16)
+        b = torch.randn(n, generator=g).to(device, torch.bfloat16)
+        gy = torch.randn(m, n, generator=g).to(device, torch.bfloat16)
+        lin = Fp8Linear(k, n, device=device, dtype=torch.bfloat16, fallback=False)
+        auto = Fp8Linear(k, n, device=device, dtype=torch.bfloat16)
+        cached = Fp8Linear(k, n, device=device, dtype=torch.bfloat16, fallback=False, scaling="delayed")
+        with torch.no_grad():
+            for mod in (lin, auto, cached):
+                mod.weight.copy_(w)
+                mod.bias.copy_(b)
+        xg = x.detach().requires_grad_()
+        ref = F.linear(x.double() if not on_gpu else x.float(), w.float() if on_gpu else w.double(),
+                       b.float() if on_gpu else b.double())
+        err = _rel(lin(x), ref)
+        verified = "close" if err <= 0.045 else f"FAIL {err:.3f}"
+        cached(x, is_first_microbatch=True)  # fills the cache and the history
+        shape = f"{m}x{k}x{n}"
+        names = _kernels_of(lambda: lin(x)) if on_gpu else []
+        launches = len(names)
+        if on_gpu and (m, k, n) == shapes[0]:
+            print("forward kernels: " + "; ".join(nm[:60] for nm in names))
+
+        def fb(f):
+            def step():
+                for p in (xg, lin.weight, lin.bias, auto.weight, auto.bias, cached.weight, cached.bias, w, b):
+                    p.grad = None
+                f(xg).backward(gy)
+            return step
+
+        wp, bp = w.detach().requires_grad_(), b.detach().requires_grad_()
+        time_us(fb(lambda v: F.linear(v, wp, bp)), device, **it)  # the first backward starts autograd's thread
+        for pas in ("fwd", "fwd+bwd"):
+            if pas == "fwd":
+                # the training forward: w requires grad, so each op keeps what its backward needs
+                fns = dict(bf16=lambda: F.linear(x, wp, bp), ours=lambda: lin(x),
+                           cached=lambda: cached(x, is_first_microbatch=False), auto=lambda: auto(x),
+                           torch_eager=lambda: _TorchFp8.apply(x, wp, bp), torch_comp=lambda: compiled_fwd(x, wp, bp))
+                t = {k_: time_us(f, device, **it)[0] for k_, f in fns.items()} if on_gpu else \
+                    {"bf16": time_us(fns["bf16"], device, **it)[0], "ours": time_us(fns["ours"], device, **it)[0]}
+            else:
+                fns = dict(bf16=fb(lambda v: F.linear(v, wp, bp)), ours=fb(lin), cached=fb(lambda v: cached(v, False)),
+                           auto=fb(auto), torch_eager=fb(lambda v: _TorchFp8.apply(v, wp, bp)),
+                           torch_comp=lambda: (setattr(xg, "grad", None), compiled_fb(xg, wp, bp, gy)))
+                t = {k_: time_us(f, device, **it)[0] for k_, f in fns.items()} if on_gpu else \
+                    {"bf16": time_us(fns["bf16"], device, **it)[0], "ours": time_us(fns["ours"], device, **it)[0]}
+            sh = {k_: v / t["bf16"] for k_, v in t.items()}
+            row = dict(shape=shape, pass_=pas, bf16_us=t["bf16"], us=t["ours"], share=sh["ours"],
+                       cached_share=sh.get("cached"), auto_share=sh.get("auto"),
+                       torch_eager_share=sh.get("torch_eager"), torch_compiled_share=sh.get("torch_comp"),
+                       launches=launches if pas == "fwd" else None, rel_err=err, verified=verified)
+            out["rows"].append(row)
+            f2 = lambda v: f"{v:5.2f}" if v is not None else "    -"  # noqa: E731
+            print(f"| {shape:<18} | {pas:<7} | {t['bf16']:9.1f} | {t['ours']:9.1f} | {sh['ours']:5.2f} | "
+                  f"{f2(sh.get('cached')):>8} | {f2(sh.get('auto'))} | {f2(sh.get('torch_eager')):>15} | "
+                  f"{f2(sh.get('torch_comp')):>8} | {(launches if pas == 'fwd' else ''):>8} | {err:7.4f} |")
+        del x, w, b, gy, xg, lin, auto, cached, wp, bp
+    if on_gpu:
+        # quantize: bf16 -> e4m3 row-major + transposed; bytes = x read once + both copies written
+        x = torch.randn(16384, 8192, device=device).to(torch.bfloat16)
+        nbytes = x.numel() * 4
+        st = fp8.new_state(16, device)
+        fp8.fp8_quantize(x, st, transposed=True)
+        qrows = []
+        for mode, dyn in (("dynamic (2 passes)", True), ("delayed (1 pass)", False)):
+            tq, _ = time_us(lambda: fp8.fp8_quantize(x, st, transposed=True, dynamic=dyn), device, **it)
+            gbs = nbytes / (tq * 1e-6) / 1e9
+            qrows.append(dict(mode=mode, us=tq, gbs=gbs, pct_copy=100 * gbs / copy))
+            print(f"quantize 16384x8192 bf16 -> e4m3 + transposed, {mode}: {tq:.1f} us, {gbs:.0f} GB/s effective "
+                  f"({100 * gbs / copy:.1f} % of copy; target 3500 GB/s)")
+        out["quantize"] = qrows
+    out["all_verified"] = all(not r["verified"].startswith("FAIL") for r in out["rows"])
+    return out

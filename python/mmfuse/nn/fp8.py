@@ -1,0 +1,119 @@
+"""``Fp8Linear``: a drop-in ``nn.Linear`` whose forward and backward GEMMs run in fp8 (e4m3 operands,
+e5m2 or e4m3 gradients, fp32 accumulation), with its scale state owned by the module."""
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import fp8 as _fp8
+
+Tensor = torch.Tensor
+
+
+class Fp8Linear(torch.nn.Linear):
+    r"""``y = x @ weight^T + bias`` with the GEMMs in fp8 (:func:`mmfuse.fp8.fp8_linear`).
+
+    Same parameters, ``state_dict`` and constructor as ``nn.Linear``, plus:
+
+    Args:
+        scaling: ``"dynamic"`` (default): every tensor scaled by its own amax (exact range, one extra
+            read of x, w and the gradient); ``"delayed"``: x and the output gradient scaled by the
+            maximum of their last ``history`` amaxes (one pass each; values past that range saturate;
+            a fresh state is exact on its first call). w is always scaled dynamically.
+        history: length of the amax history (delayed scaling).
+        grad_dtype: ``torch.float8_e5m2`` (default) or ``torch.float8_e4m3fn`` for the output gradient.
+        bf16_wgrad: compute dW in bf16 (from the bf16 x, saved instead of its fp8 copy).
+        fallback: on the GPU, run shapes where fp8 does not pay (:func:`mmfuse.fp8.fp8_pays`, measured)
+            as plain bf16 ``F.linear``. On the CPU the fp8 numerics are emulated (for tests), always.
+        fuse_wgrad_accumulation: add dW into ``weight.main_grad`` (an fp32 buffer the caller attaches)
+            instead of producing ``weight.grad``.
+
+    ``forward(x, is_first_microbatch=None)``: with gradient accumulation over micro-batches, pass
+    True on the first micro-batch of an optimizer step (w is quantized and its fp8 copies kept) and
+    False on the others (the copies are reused: w must not change in between). None: w is quantized
+    on every call. Parameters that are not bf16 (e.g. fp32 master weights) are cast to bf16 for the
+    GEMM, like autocast; the output is bf16.
+
+    The scale states are buffers (not in the ``state_dict``): ``x_state``, ``w_state``, ``g_state``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 scaling: str = "dynamic", history: int = _fp8.DEFAULT_HISTORY,
+                 grad_dtype: torch.dtype = _fp8.E5M2, bf16_wgrad: bool = False, fallback: bool = True,
+                 fuse_wgrad_accumulation: bool = False) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        if scaling not in ("dynamic", "delayed"):
+            raise ValueError(f"Fp8Linear: scaling: expected 'dynamic' or 'delayed', got {scaling!r}")
+        if grad_dtype not in (_fp8.E4M3, _fp8.E5M2):
+            raise ValueError(f"Fp8Linear: grad_dtype: expected torch.float8_e5m2 or torch.float8_e4m3fn, got {grad_dtype}")
+        self.scaling = scaling
+        self.grad_dtype = grad_dtype
+        self.bf16_wgrad = bf16_wgrad
+        self.fallback = fallback
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        dev = self.weight.device
+        self.register_buffer("x_state", _fp8.new_state(history, dev), persistent=False)
+        self.register_buffer("w_state", _fp8.new_state(1, dev), persistent=False)
+        self.register_buffer("g_state", _fp8.new_state(history, dev), persistent=False)
+        self._weight_fp8: Optional[_fp8.Fp8Quantized] = None
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, **kwargs) -> "Fp8Linear":
+        """An Fp8Linear that shares ``linear``'s parameters (the same Parameter objects: optimizers that
+        hold them keep working)."""
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, device=linear.weight.device,
+                dtype=linear.weight.dtype, **kwargs)
+        m.weight = linear.weight
+        m.bias = linear.bias
+        return m
+
+    def _uses_fp8(self, x: Tensor) -> bool:
+        if not x.is_cuda:
+            return True
+        m = x.numel() // max(1, x.shape[-1])
+        return not self.fallback or _fp8.fp8_pays(m, self.out_features, self.in_features)
+
+    def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
+        if not self._uses_fp8(x):
+            return F.linear(x, self.weight, self.bias)
+        bf = torch.bfloat16
+        w = self.weight if self.weight.dtype == bf else self.weight.to(bf)
+        b = None if self.bias is None else (self.bias if self.bias.dtype == bf else self.bias.to(bf))
+        main_grad = None
+        if self.fuse_wgrad_accumulation:
+            main_grad = getattr(self.weight, "main_grad", None)
+            if main_grad is None:
+                raise ValueError("Fp8Linear: fuse_wgrad_accumulation=True: expected weight.main_grad (an fp32 "
+                                 f"[{self.out_features}, {self.in_features}] buffer), found none")
+        cached = None
+        if is_first_microbatch is False:
+            if self._weight_fp8 is None:
+                raise ValueError("Fp8Linear: is_first_microbatch=False: no cached fp8 weight (pass True on the "
+                                 "first micro-batch of the step)")
+            cached = self._weight_fp8
+        keep = bool(is_first_microbatch)
+        out = _fp8.fp8_linear(x.to(bf), w, b, x_state=self.x_state, w_state=self.w_state, g_state=self.g_state,
+                              scaling=self.scaling, weight_fp8=cached, grad_dtype=self.grad_dtype,
+                              bf16_wgrad=self.bf16_wgrad, main_grad=main_grad, return_weight_fp8=keep)
+        if keep:
+            out, self._weight_fp8 = out
+        elif is_first_microbatch is None:
+            self._weight_fp8 = None
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scaling={self.scaling}, grad_dtype={self.grad_dtype}"
+
+
+def convert_to_fp8(model: torch.nn.Module, filter_fn: Optional[Callable[[str, torch.nn.Module], bool]] = None,
+                   **kwargs) -> torch.nn.Module:
+    """Replaces, in place, every ``nn.Linear`` of ``model`` (its fully qualified name and the module
+    passed to ``filter_fn``, all of them when None) by an :class:`Fp8Linear` sharing its parameters;
+    ``kwargs`` go to Fp8Linear. Returns ``model``."""
+    for name, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is torch.nn.Linear and (filter_fn is None or filter_fn(full, child)):
+                setattr(mod, child_name, Fp8Linear.from_linear(child, **kwargs))
+    return model

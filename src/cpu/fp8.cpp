@@ -1,0 +1,97 @@
+// CPU backend of the fp8 building blocks: the CUDA numerics emulated (for tests and CPU-only use).
+// Quantize: the same scale and the same round-to-nearest-even saturating conversion as the kernels
+// (bitwise equal). GEMM: fp8 values decoded exactly, fp32 accumulation in k order, then the scales.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common/dispatch.h"
+#include "common/parallel.h"
+#include "mmfuse/fp8.h"
+
+namespace mmfuse {
+namespace detail {
+
+void fp8_quantize_cpu(const Fp8QuantJob& j) {
+  const int64_t r = j.src.shape[0], c = j.src.shape[1];
+  const DType fmt = j.q.defined() ? j.q.dtype : j.qt.dtype;
+  const bool e4m3 = fmt == DType::kFloat8E4M3;
+  dispatch_floating(j.src.dtype, "fp8_quantize: x", [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    const S* x = static_cast<const S*>(j.src.data);
+    auto at = [&](int64_t i, int64_t k) { return float(load_val(x[i * j.src.stride[0] + k])); };
+    float amax = 0.0f;
+    for (int64_t i = 0; i < r; ++i)
+      for (int64_t k = 0; k < c; ++k) amax = std::fmax(amax, std::fabs(at(i, k)));  // fmax: NaN is ignored
+    float* hist = j.state.ptr<float>();
+    const int64_t h = j.state.shape[0] - 2;
+    auto record = [&] {  // newest first
+      for (int64_t i = h - 1; i > 0; --i) hist[i] = hist[i - 1];
+      hist[0] = amax;
+    };
+    float past = 0.0f;
+    for (int64_t i = 0; i < h; ++i) past = std::fmax(past, hist[i]);
+    if (j.dynamic || past == 0.0f) {  // the amax pass (delayed: only for a fresh history)
+      record();
+      past = amax;
+    }
+    const float use = j.dynamic ? amax : past;
+    if (!j.dynamic) record();  // the delayed cast records its amax too
+    const float scale = fp8_max(fmt) / std::fmax(use, kFp8AmaxEps);
+    *j.scale_inv.ptr<float>() = 1.0f / scale;
+    auto code = [&](int64_t i, int64_t k) -> uint8_t {
+      return i < r && k < c ? float_to_fp8(at(i, k) * scale, e4m3) : uint8_t(0);
+    };
+    if (j.q.defined()) {
+      uint8_t* q = j.q.ptr<uint8_t>();
+      const int64_t cp = j.q.shape[1];
+      parallel_for(j.q.shape[0], 64, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t k = 0; k < cp; ++k) q[i * cp + k] = code(i, k);
+      });
+    }
+    if (j.qt.defined()) {
+      uint8_t* qt = j.qt.ptr<uint8_t>();
+      const int64_t rp = j.qt.shape[1];
+      parallel_for(j.qt.shape[0], 64, [&](int64_t k0, int64_t k1) {
+        for (int64_t k = k0; k < k1; ++k)
+          for (int64_t i = 0; i < rp; ++i) qt[k * rp + i] = code(i, k);
+      });
+    }
+  });
+}
+
+void fp8_gemm_cpu(const TensorView& a, const TensorView& b, float scale_a, float scale_b, const TensorView& bias,
+                  TensorView& out, const Fp8GemmOptions& o) {
+  const int64_t m = a.shape[0], n = b.shape[0], k = a.shape[1];
+  const bool a43 = a.dtype == DType::kFloat8E4M3, b43 = b.dtype == DType::kFloat8E4M3;
+  // decode once: b as fp32 rows (k contiguous)
+  std::vector<float> bf(size_t(n * k));
+  const uint8_t* B = b.ptr<uint8_t>();
+  for (int64_t i = 0; i < n * k; ++i) bf[size_t(i)] = fp8_to_float(B[i], b43);
+  const uint8_t* A = a.ptr<uint8_t>();
+  const float s = scale_a * scale_b;
+  parallel_for(m, 16, [&](int64_t i0, int64_t i1) {
+    std::vector<float> row(static_cast<size_t>(k));
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t kk = 0; kk < k; ++kk) row[size_t(kk)] = fp8_to_float(A[i * k + kk], a43);
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const float* w = bf.data() + jj * k;
+        float acc = 0.0f;
+        for (int64_t kk = 0; kk < k; ++kk) acc += row[size_t(kk)] * w[kk];
+        float v = acc * s;
+        const int64_t off = i * out.stride[0] + jj;
+        if (out.dtype == DType::kFloat32) {
+          float* y = out.ptr<float>();
+          y[off] = o.accumulate ? y[off] + v : v;
+        } else {
+          if (bias.defined()) v += to_float(bias.ptr<bf16>()[jj]);
+          out.ptr<bf16>()[off] = to_bf16(v);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace detail
+}  // namespace mmfuse

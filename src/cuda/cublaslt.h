@@ -1,0 +1,79 @@
+// cuBLASLt pieces shared by the GEMM backends (dual_gemm, fp8): checked calls, one handle per device
+// for the process, pointer alignment, and the heuristic's first algorithm for a described problem.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+
+#include "common/cuda_check.h"
+
+#define MMFUSE_CUBLAS_CHECK(expr)                                                                      \
+  do {                                                                                                 \
+    cublasStatus_t mmfuse_st_ = (expr);                                                                \
+    MMFUSE_CHECK(mmfuse_st_ == CUBLAS_STATUS_SUCCESS, "cuBLASLt error in ", #expr, ": status ",      \
+                 int(mmfuse_st_));                                                                     \
+  } while (0)
+
+namespace mmfuse {
+namespace cuda {
+
+// Largest power of two (at most 256) dividing the address: the alignment cuBLASLt may assume.
+inline uint32_t alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t b = 256;
+  while (b > 1 && a % b) b /= 2;
+  return b;
+}
+
+// The process's cuBLASLt handle for a device (created on first use, never destroyed).
+inline cublasLtHandle_t cublaslt_handle(int device) {
+  static std::mutex mu;
+  static std::map<int, cublasLtHandle_t>* handles = new std::map<int, cublasLtHandle_t>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = handles->find(device);
+  if (it != handles->end()) return it->second;
+  cublasLtHandle_t h = nullptr;
+  MMFUSE_CUBLAS_CHECK(cublasLtCreate(&h));
+  (*handles)[device] = h;
+  return h;
+}
+
+// Minimum alignments (bytes) of A, B, C and D that the algorithm may assume.
+struct Alignments {
+  uint32_t a, b, c, d;
+};
+
+// The heuristic's best algorithm for D = op(A) op(B) (+ C) as described; fails with `what` (which
+// names the op and the problem) when cuBLASLt has none.
+inline bool cublaslt_first_algo(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t al,
+                                cublasLtMatrixLayout_t bl, cublasLtMatrixLayout_t cl, cublasLtMatrixLayout_t dl,
+                                uint64_t ws_bytes, const Alignments& align, cublasLtMatmulAlgo_t* algo,
+                                int* status) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  cublasStatus_t st = cublasLtMatmulPreferenceCreate(&pref);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                              sizeof(ws_bytes));
+  for (const auto& [attr, v] :
+       {std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t>{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align.a},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align.b},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align.c},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align.d}})
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof(v));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulAlgoGetHeuristic(h, desc, al, bl, cl, dl, pref, 1, &result, &found);
+  if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  *status = int(st);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0) return false;
+  *algo = result.algo;
+  return true;
+}
+
+}  // namespace cuda
+}  // namespace mmfuse

@@ -1,0 +1,420 @@
+// CUDA backend of the fp8 building blocks.
+//
+// Quantize: a grid of blocks walks 64 x 64 tiles of x (padded extents); a thread loads 16 values of
+// one row (16-byte loads where the rows allow), converts them once (fp32 multiply, round to nearest
+// even, saturating), stores them to q (16 bytes) and, for qt, through a shared-memory tile so that it
+// stores 16 rows of one column (16 bytes) too. amax: each block reduces its tiles, one atomicMax a
+// block on the state's scratch word (a maximum is exact, so the result does not depend on the order),
+// and the last block to finish (a counter in the state) moves the history and resets the scratch.
+// Dynamic scaling runs an amax-only pass of the same shape first; delayed scaling reads the history
+// at the start of every block and records this tensor's amax at the end of the same pass (every
+// block has read the history before it counts itself done, so the last block may rewrite it).
+//
+// GEMM: cuBLASLt, fp8 "TN": out^T [N, M] (column-major, leading dimension = out's row stride) =
+// b^T [N, Kp] x a [Kp, M], with b as cuBLAS's A and a as its B; scales as device pointers (A scale =
+// scale_b, B scale = scale_a), optional bf16 bias epilogue, fast accumulation as asked. The
+// heuristic's algorithm is cached per problem (bounded), descriptors live on the stack per call.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "common/cuda_check.h"
+#include "cuda/cublaslt.h"
+#include "cuda/device_util.cuh"
+#include "mmfuse/fp8.h"
+
+namespace mmfuse {
+namespace detail {
+namespace {
+
+constexpr int kTile = 64, kThreads = 256, kTileStride = kTile + 4;  // 68-byte rows: few bank conflicts
+// Blocks a job gets per SM (about 6 are resident: 40 registers a thread): more than fit, so that the
+// blocks that finish early pick up the rest. Swept on the H200 (2, 4, 8, 16; and a prefetch of the
+// next tile, which lost: 64 registers): 16 was best, 74 % of copy for one pass with both copies.
+constexpr int kBlocksPerSm = 16;
+
+struct Job {
+  const void* src;
+  int64_t rows, cols, ld;
+  uint8_t* q;  // [pad(rows), ldq = pad(cols)] or null
+  int64_t ldq;
+  uint8_t* qt;  // [pad(cols), ldqt = pad(rows)] or null
+  int64_t ldqt;
+  float* scale_inv;
+  float* state;
+  int h;
+  int64_t tiles_c, tiles;  // tile grid: tiles_c along the columns, tiles in all
+  int64_t prows, pcols;  // pad(rows), pad(cols): the rows of q and of qt
+  int first_block, blocks;
+  bool e4m3, dynamic, vec;
+};
+
+struct Jobs {
+  Job j[2];
+  int n;
+};
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+
+// 16 values of row i from column k on (zero outside the tensor).
+template <class S>
+__device__ __forceinline__ void load16(const Job& jb, int64_t i, int64_t k, float (&v)[16]) {
+#pragma unroll
+  for (int e = 0; e < 16; ++e) v[e] = 0.0f;
+  if (i >= jb.rows) return;
+  const S* row = static_cast<const S*>(jb.src) + i * jb.ld;
+  constexpr int V = 16 / int(sizeof(S));  // elements of one 16-byte load
+  if (jb.vec) {  // cols, ld and the base are multiples of V elements: each 16-byte piece is in or out
+#pragma unroll
+    for (int c = 0; c < 16; c += V) {
+      if (k + c < jb.cols) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + k + c));
+        const S* s = reinterpret_cast<const S*>(&raw);
+#pragma unroll
+        for (int e = 0; e < V; ++e) v[c + e] = to_f(s[e]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 16; ++e)
+      if (k + e < jb.cols) v[e] = to_f(row[k + e]);
+  }
+}
+
+// The thread's 16 values of tile t.
+template <class S>
+__device__ __forceinline__ void load_tile(const Job& jb, int64_t t, int tr, int tc, float (&v)[16]) {
+  load16<S>(jb, (t / jb.tiles_c) * kTile + tr, (t % jb.tiles_c) * kTile + tc, v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int w = 1; w < kThreads / 32; ++w) v = fmaxf(v, red[w]);
+  return v;  // valid in thread 0
+}
+
+// Thread 0 of every block: fold the block's amax into the state; the last block records it in the
+// history (newest first) and leaves the scratch words at zero.
+__device__ void finish_amax(const Job& jb, float amax) {
+  unsigned* acc = reinterpret_cast<unsigned*>(jb.state + jb.h);
+  unsigned* count = acc + 1;
+  if (amax > 0.0f) atomicMax(acc, __float_as_uint(amax));  // non-negative floats order as their bits
+  __threadfence();
+  if (atomicAdd(count, 1u) != unsigned(jb.blocks - 1)) return;
+  __threadfence();
+  const float total = __uint_as_float(atomicExch(acc, 0u));
+  atomicExch(count, 0u);
+  for (int i = jb.h - 1; i > 0; --i) jb.state[i] = jb.state[i - 1];
+  jb.state[0] = total;
+}
+
+__device__ __forceinline__ const Job& my_job(const Jobs& jobs) {
+  return jobs.n > 1 && int(blockIdx.x) >= jobs.j[1].first_block ? jobs.j[1] : jobs.j[0];
+}
+
+template <class S>
+__global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const __grid_constant__ Jobs jobs) {
+  __shared__ float red[kThreads / 32];
+  const Job& jb = my_job(jobs);
+  if (!jb.dynamic) {  // delayed scaling needs this pass only for a fresh (all-zero) history
+    float past = 0.0f;
+    for (int i = 0; i < jb.h; ++i) past = fmaxf(past, jb.state[i]);
+    if (past > 0.0f) return;  // the same answer in every block: none of them counts itself done
+  }
+  const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16;
+  float amax = 0.0f, v[16];
+  for (int64_t t = int(blockIdx.x) - jb.first_block; t < jb.tiles; t += jb.blocks) {
+    load_tile<S>(jb, t, tr, tc, v);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fabsf(v[e]));  // fmaxf drops NaN
+  }
+  amax = block_max(amax, red);
+  if (threadIdx.x == 0) finish_amax(jb, amax);
+}
+
+template <class S>
+__global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constant__ Jobs jobs) {
+  __shared__ __align__(16) uint8_t tile[kTile * kTileStride];
+  __shared__ float red[kThreads / 32];
+  const Job& jb = my_job(jobs);
+  float use = jb.state[0];
+  if (!jb.dynamic)
+    for (int i = 1; i < jb.h; ++i) use = fmaxf(use, jb.state[i]);
+  const float scale = __fdiv_rn(jb.e4m3 ? 448.0f : 57344.0f, fmaxf(use, kFp8AmaxEps));
+  const int b = int(blockIdx.x) - jb.first_block;
+  if (b == 0 && threadIdx.x == 0) *jb.scale_inv = __fdiv_rn(1.0f, scale);
+  const __nv_fp8_interpretation_t fmt = jb.e4m3 ? __NV_E4M3 : __NV_E5M2;
+  const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16;
+  float amax = 0.0f, v[16];
+  for (int64_t t = b; t < jb.tiles; t += jb.blocks) {
+    const int64_t r0 = (t / jb.tiles_c) * kTile, c0 = (t % jb.tiles_c) * kTile;
+    load_tile<S>(jb, t, tr, tc, v);
+    uint32_t w[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+          make_float2(__fmul_rn(v[4 * p], scale), __fmul_rn(v[4 * p + 1], scale)), __NV_SATFINITE, fmt);
+      const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+          make_float2(__fmul_rn(v[4 * p + 2], scale), __fmul_rn(v[4 * p + 3], scale)), __NV_SATFINITE, fmt);
+      w[p] = uint32_t(lo) | (uint32_t(hi) << 16);
+    }
+    if (!jb.dynamic) {
+#pragma unroll
+      for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fabsf(v[e]));
+    }
+    const int64_t i = r0 + tr, k = c0 + tc;
+    if (jb.q && i < jb.prows && k < jb.ldq)
+      *reinterpret_cast<uint4*>(jb.q + i * jb.ldq + k) = make_uint4(w[0], w[1], w[2], w[3]);
+    if (jb.qt) {  // the same for the whole block
+      __syncthreads();  // the previous tile's reads are done
+      uint32_t* trow = reinterpret_cast<uint32_t*>(tile + tr * kTileStride + tc);
+#pragma unroll
+      for (int p = 0; p < 4; ++p) trow[p] = w[p];
+      __syncthreads();
+      // thread: qt row c0 + tr (a column of x), x rows r0 + tc .. r0 + tc + 15
+      const int64_t qrow = c0 + tr, qcol = r0 + tc;
+      if (qrow < jb.pcols && qcol < jb.ldqt) {
+        uint32_t o[4];
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const uint8_t* col = tile + (tc + 4 * p) * kTileStride + tr;
+          o[p] = uint32_t(col[0]) | uint32_t(col[kTileStride]) << 8 | uint32_t(col[2 * kTileStride]) << 16 |
+                 uint32_t(col[3 * kTileStride]) << 24;
+        }
+        *reinterpret_cast<uint4*>(jb.qt + qrow * jb.ldqt + qcol) = make_uint4(o[0], o[1], o[2], o[3]);
+      }
+    }
+  }
+  if (!jb.dynamic) {
+    amax = block_max(amax, red);
+    if (threadIdx.x == 0) finish_amax(jb, amax);
+  }
+}
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+Job make_job(const Fp8QuantJob& in, bool for_cast) {
+  Job j{};
+  j.src = in.src.data;
+  j.rows = in.src.shape[0];
+  j.cols = in.src.shape[1];
+  j.ld = j.rows > 1 ? in.src.stride[0] : j.cols;
+  j.q = in.q.defined() ? in.q.ptr<uint8_t>() : nullptr;
+  j.ldq = in.q.defined() ? in.q.shape[1] : 0;
+  j.qt = in.qt.defined() ? in.qt.ptr<uint8_t>() : nullptr;
+  j.ldqt = in.qt.defined() ? in.qt.shape[1] : 0;
+  j.prows = fp8_padded(j.rows);
+  j.pcols = fp8_padded(j.cols);
+  j.scale_inv = in.scale_inv.ptr<float>();
+  j.state = in.state.ptr<float>();
+  j.h = int(in.state.shape[0] - 2);
+  j.e4m3 = (in.q.defined() ? in.q.dtype : in.qt.dtype) == DType::kFloat8E4M3;
+  j.dynamic = in.dynamic;
+  const int64_t v = 16 / int64_t(dtype_size(in.src.dtype));
+  j.vec = j.cols % v == 0 && j.ld % v == 0 && cuda::alignment(j.src) >= 16;
+  // extents walked: the cast covers the padding it writes (zeros), the amax pass only x
+  const int64_t rows = for_cast ? fp8_padded(j.rows) : j.rows, cols = for_cast ? fp8_padded(j.cols) : j.cols;
+  j.tiles_c = std::max<int64_t>(1, cdiv(cols, kTile));
+  j.tiles = rows > 0 && cols > 0 ? cdiv(rows, kTile) * j.tiles_c : 0;
+  return j;
+}
+
+// Splits the resident blocks between the jobs by their tiles (each at least one block: the one that
+// records the amax of an empty tensor).
+unsigned assign_blocks(Jobs& jobs) {
+  const int64_t cap = int64_t(cuda::sm_count()) * kBlocksPerSm;
+  int64_t total = 0;
+  for (int i = 0; i < jobs.n; ++i) total += jobs.j[i].tiles;
+  int first = 0;
+  for (int i = 0; i < jobs.n; ++i) {
+    Job& j = jobs.j[i];
+    const int64_t share = total > 0 ? cdiv(cap * j.tiles, total) : 1;
+    j.blocks = int(std::max<int64_t>(1, std::min(j.tiles, share)));
+    j.first_block = first;
+    first += j.blocks;
+  }
+  return unsigned(first);
+}
+
+template <class F>
+void dispatch_src(DType t, F&& f) {
+  switch (t) {
+    case DType::kBFloat16: return f(__nv_bfloat16{});
+    case DType::kFloat16: return f(__half{});
+    default: return f(float{});
+  }
+}
+
+void launch(const Fp8QuantJob* in, const int* idx, int n, bool amax_pass, cudaStream_t stream) {
+  Jobs jobs{};
+  jobs.n = n;
+  for (int i = 0; i < n; ++i) jobs.j[i] = make_job(in[idx[i]], !amax_pass);
+  const unsigned blocks = assign_blocks(jobs);
+  dispatch_src(in[idx[0]].src.dtype, [&](auto tag) {
+    using S = decltype(tag);
+    if (amax_pass) {
+      fp8_amax_kernel<S><<<blocks, kThreads, 0, stream>>>(jobs);
+      MMFUSE_CUDA_CHECK_LAUNCH("fp8_amax_kernel");
+    } else {
+      fp8_cast_kernel<S><<<blocks, kThreads, 0, stream>>>(jobs);
+      MMFUSE_CUDA_CHECK_LAUNCH("fp8_cast_kernel");
+    }
+  });
+}
+
+// ---- GEMM ------------------------------------------------------------------------------------
+
+struct GemmKey {
+  int device;
+  DType ta, tb, tout;
+  int64_t m, n, k, ldo;
+  bool bias, accumulate, fast;
+  uint32_t align_a, align_b, align_out;
+  size_t ws;
+  auto tie() const {
+    return std::make_tuple(device, int(ta), int(tb), int(tout), m, n, k, ldo, bias, accumulate, fast, align_a,
+                           align_b, align_out, ws);
+  }
+  bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
+};
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::kFloat8E4M3: return CUDA_R_8F_E4M3;
+    case DType::kFloat8E5M2: return CUDA_R_8F_E5M2;
+    case DType::kBFloat16: return CUDA_R_16BF;
+    default: return CUDA_R_32F;
+  }
+}
+
+struct GemmDescs {
+  cublasLtMatmulDescOpaque_t desc;
+  cublasLtMatrixLayoutOpaque_t al, bl, cl;
+};
+
+void describe(const GemmKey& key, const void* scale_a, const void* scale_b, const void* bias, GemmDescs& d) {
+  MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescInit(&d.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t t = CUBLAS_OP_T, nn = CUBLAS_OP_N;
+  auto set = [&](cublasLtMatmulDescAttributes_t attr, const void* v, size_t size) {
+    MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&d.desc, attr, v, size));
+  };
+  set(CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
+  set(CUBLASLT_MATMUL_DESC_TRANSB, &nn, sizeof(nn));
+  // cuBLAS's A is our b, its B our a
+  set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, sizeof(scale_b));
+  set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof(scale_a));
+  const int8_t fast = key.fast ? 1 : 0;
+  set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast));
+  if (key.bias) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    const cudaDataType_t bt = CUDA_R_16BF;
+    set(CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
+    set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
+    set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt));
+  }
+  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d.al, cuda_type(key.tb), key.k, key.n, key.k));
+  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d.bl, cuda_type(key.ta), key.k, key.m, key.k));
+  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d.cl, cuda_type(key.tout), key.n, key.m, key.ldo));
+}
+
+struct GemmCache {
+  std::mutex mu;
+  std::map<GemmKey, cublasLtMatmulAlgo_t> plans;
+};
+
+GemmCache& gemm_cache() {
+  static GemmCache* c = new GemmCache();  // never destroyed
+  return *c;
+}
+
+constexpr size_t kMaxPlans = 4096;  // bounded: past this many problems the cache starts over
+
+}  // namespace
+
+void fp8_quantize_cuda(Fp8QuantJob* jobs, int n, cudaStream_t stream) {
+  // the amax pass (a delayed job's blocks return at once unless its history is fresh), then the cast;
+  // both tensors in one launch each (a dtype mix launches separately)
+  const int all[2] = {0, 1};
+  const bool same = n == 1 || jobs[0].src.dtype == jobs[1].src.dtype;
+  if (same) {
+    launch(jobs, all, n, true, stream);
+  } else {
+    launch(jobs, all, 1, true, stream);
+    launch(jobs, all + 1, 1, true, stream);
+  }
+  if (same) {
+    launch(jobs, all, n, false, stream);
+  } else {
+    launch(jobs, all, 1, false, stream);
+    launch(jobs, all + 1, 1, false, stream);
+  }
+}
+
+void fp8_gemm_cuda(const TensorView& a, const TensorView& b, const TensorView& scale_a, const TensorView& scale_b,
+                   const TensorView& bias, TensorView& out, const Fp8GemmOptions& o, TensorView& ws,
+                   cudaStream_t stream) {
+  const int64_t m = a.shape[0], n = b.shape[0], k = a.shape[1];
+  if (m == 0 || n == 0) return;
+  const int64_t ldo = n;  // out is contiguous (checked)
+  if (k == 0) {  // an empty sum: zero, or the accumulator unchanged (a bias is rejected before)
+    if (!o.accumulate)
+      MMFUSE_CUDA_CHECK(cudaMemset2DAsync(out.data, size_t(ldo) * dtype_size(out.dtype), 0,
+                                          size_t(n) * dtype_size(out.dtype), size_t(m), stream));
+    return;
+  }
+  MMFUSE_CHECK(cuda::alignment(a.data) >= 16 && cuda::alignment(b.data) >= 16 && cuda::alignment(out.data) >= 16,
+               "fp8_gemm: a, b and out must be 16-byte aligned");
+  GemmKey key{};
+  key.device = out.device.index;
+  key.ta = a.dtype;
+  key.tb = b.dtype;
+  key.tout = out.dtype;
+  key.m = m;
+  key.n = n;
+  key.k = k;
+  key.ldo = ldo;
+  key.bias = bias.defined();
+  key.accumulate = o.accumulate;
+  key.fast = o.fast_accum;
+  key.align_a = cuda::alignment(a.data);
+  key.align_b = cuda::alignment(b.data);
+  key.align_out = cuda::alignment(out.data);
+  key.ws = size_t(ws.shape[0]) * dtype_size(ws.dtype);
+  GemmDescs d;
+  describe(key, scale_a.data, scale_b.data, bias.defined() ? bias.data : nullptr, d);
+  const cublasLtHandle_t h = cuda::cublaslt_handle(key.device);
+  cublasLtMatmulAlgo_t algo;
+  {
+    GemmCache& c = gemm_cache();
+    std::lock_guard<std::mutex> lock(c.mu);
+    auto it = c.plans.find(key);
+    if (it == c.plans.end()) {
+      if (c.plans.size() >= kMaxPlans) c.plans.clear();
+      int st = 0;
+      const bool ok = cuda::cublaslt_first_algo(h, &d.desc, &d.al, &d.bl, &d.cl, &d.cl, key.ws,
+                                                {key.align_b, key.align_a, key.align_out, key.align_out}, &algo, &st);
+      MMFUSE_CHECK(ok, "fp8_gemm: cuBLASLt has no algorithm for ", m, "x", n, "x", k, " (", dtype_name(a.dtype), " x ",
+                   dtype_name(b.dtype), " -> ", dtype_name(out.dtype), ", status ", st, ")");
+      it = c.plans.emplace(key, algo).first;
+    }
+    algo = it->second;
+  }
+  const float alpha = 1.0f, beta = o.accumulate ? 1.0f : 0.0f;
+  MMFUSE_CUBLAS_CHECK(cublasLtMatmul(h, &d.desc, &alpha, b.data, &d.al, a.data, &d.bl, &beta, out.data, &d.cl,
+                                     out.data, &d.cl, &algo, ws.data, key.ws, stream));
+}
+
+}  // namespace detail
+}  // namespace mmfuse

@@ -1,0 +1,158 @@
+// FP8 entry points: validate the quantize jobs and the GEMM operands, then call the backend.
+#include "mmfuse/fp8.h"
+
+#include <string>
+
+#include "common/dispatch.h"
+
+namespace mmfuse {
+namespace {
+
+bool is_fp8(DType t) { return t == DType::kFloat8E4M3 || t == DType::kFloat8E5M2; }
+
+bool dense(const TensorView& v) {  // contiguous, any rank (an empty tensor is)
+  if (v.numel() == 0) return true;
+  int64_t expect = 1;
+  for (int i = v.ndim - 1; i >= 0; --i) {
+    if (v.shape[i] != 1 && v.stride[i] != expect) return false;
+    expect *= v.shape[i];
+  }
+  return true;
+}
+
+void check_2d(const char* op, const char* name, const TensorView& v, Device dev) {
+  MMFUSE_CHECK(v.defined(), op, ": ", name, " is missing");
+  MMFUSE_CHECK(v.ndim == 2, op, ": ", name, ": expected a 2-D tensor, got ", shape_str(v));
+  MMFUSE_CHECK(v.device == dev, op, ": ", name, ": expected a tensor on ", device_name(dev), ", got ",
+               device_name(v.device));
+}
+
+void check_scalar_f32(const char* op, const char* name, const TensorView& v, Device dev) {
+  MMFUSE_CHECK(v.defined(), op, ": ", name, " is missing");
+  MMFUSE_CHECK(v.dtype == DType::kFloat32, op, ": ", name, ": expected dtype float32, got ", dtype_name(v.dtype));
+  MMFUSE_CHECK(v.numel() == 1, op, ": ", name, ": expected one element, got shape ", shape_str(v));
+  MMFUSE_CHECK(v.device == dev, op, ": ", name, ": expected a tensor on ", device_name(dev), ", got ",
+               device_name(v.device));
+}
+
+void check_job(const char* op, const Fp8QuantJob& j, Device dev) {
+  check_2d(op, "x", j.src, dev);
+  const DType in = j.src.dtype;
+  MMFUSE_CHECK(in == DType::kBFloat16 || in == DType::kFloat16 || in == DType::kFloat32, op,
+               ": x: expected dtype bfloat16, float16 or float32, got ", dtype_name(in));
+  const int64_t r = j.src.shape[0], c = j.src.shape[1];
+  if (r > 0 && c > 0) {
+    MMFUSE_CHECK(c <= 1 || j.src.stride[1] == 1, op, ": x: the last dim must be contiguous, got strides [",
+                 j.src.stride[0], ", ", j.src.stride[1], "]");
+    MMFUSE_CHECK(r <= 1 || j.src.stride[0] >= c, op, ": x: row stride ", j.src.stride[0], " is below its ", c,
+                 " columns");
+  }
+  MMFUSE_CHECK(j.q.defined() || j.qt.defined(), op, ": expected q, qt or both to write, got neither");
+  DType fmt = DType::kFloat32;
+  struct Out {
+    const TensorView* v;
+    const char* name;
+    int64_t rows, cols;
+  };
+  for (const auto& [v, name, rows, cols] : {Out{&j.q, "q", fp8_padded(r), fp8_padded(c)}, Out{&j.qt, "qt", fp8_padded(c), fp8_padded(r)}}) {
+    if (!v->defined()) continue;
+    check_2d(op, name, *v, dev);
+    MMFUSE_CHECK(is_fp8(v->dtype), op, ": ", name, ": expected dtype float8_e4m3fn or float8_e5m2, got ",
+                 dtype_name(v->dtype));
+    MMFUSE_CHECK(fmt == DType::kFloat32 || v->dtype == fmt, op, ": ", name, ": expected dtype ", dtype_name(fmt),
+                 " (that of q), got ", dtype_name(v->dtype));
+    fmt = v->dtype;
+    MMFUSE_CHECK(v->shape[0] == rows && v->shape[1] == cols, op, ": ", name, ": expected shape [", rows, ", ", cols,
+                 "] (both dims padded to a multiple of ", kFp8Align, "), got ", shape_str(*v));
+    MMFUSE_CHECK(dense(*v), op, ": ", name, ": expected a contiguous tensor");
+  }
+  check_scalar_f32(op, "scale_inv", j.scale_inv, dev);
+  MMFUSE_CHECK(j.state.defined() && j.state.ndim == 1 && j.state.dtype == DType::kFloat32 && j.state.shape[0] >= 3 &&
+                   dense(j.state) && j.state.device == dev,
+               op, ": state: expected a contiguous float32 [history + 2] buffer (history >= 1) on ", device_name(dev),
+               ", got ", j.state.defined() ? shape_str(j.state) + " " + dtype_name(j.state.dtype) : std::string("none"));
+}
+
+}  // namespace
+
+float fp8_max(DType fp8) { return fp8 == DType::kFloat8E5M2 ? 57344.0f : 448.0f; }
+
+void fp8_quantize(Fp8QuantJob* jobs, int num_jobs, cudaStream_t stream) {
+  const char* op = "fp8_quantize";
+  MMFUSE_CHECK(num_jobs == 1 || num_jobs == 2, op, ": expected 1 or 2 tensors, got ", num_jobs);
+  const Device dev = jobs[0].src.device;
+  for (int i = 0; i < num_jobs; ++i) check_job(op, jobs[i], dev);
+  if (dev.type == DeviceType::kCPU) {
+    for (int i = 0; i < num_jobs; ++i) detail::fp8_quantize_cpu(jobs[i]);
+    return;
+  }
+#ifdef MMFUSE_WITH_CUDA
+  detail::fp8_quantize_cuda(jobs, num_jobs, stream);
+#else
+  (void)stream;
+  no_cuda_backend(op);
+#endif
+}
+
+int64_t fp8_gemm_workspace_bytes() { return int64_t(32) << 20; }  // cuBLAS's recommendation for Hopper
+
+void fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& scale_a, const TensorView& scale_b,
+              const TensorView& bias, TensorView& out, const Fp8GemmOptions& o, TensorView& ws, cudaStream_t stream) {
+  const char* op = "fp8_gemm";
+  MMFUSE_CHECK(a.defined(), op, ": a is missing");
+  const Device dev = a.device;
+  check_2d(op, "a", a, dev);
+  check_2d(op, "b", b, dev);
+  check_2d(op, "out", out, dev);
+  for (const auto& [v, name] : {std::pair<const TensorView*, const char*>{&a, "a"}, {&b, "b"}}) {
+    MMFUSE_CHECK(is_fp8(v->dtype), op, ": ", name, ": expected dtype float8_e4m3fn or float8_e5m2, got ",
+                 dtype_name(v->dtype));
+    MMFUSE_CHECK(v->shape[1] % kFp8Align == 0, op, ": ", name, ": expected k (its columns) a multiple of ", kFp8Align,
+                 " (fp8_quantize pads it), got shape ", shape_str(*v));
+    MMFUSE_CHECK(v != &b || v->shape[0] % kFp8Align == 0, op, ": b: expected n (its rows) a multiple of ", kFp8Align,
+                 " (fp8_quantize pads it), got shape ", shape_str(*v));
+    MMFUSE_CHECK(dense(*v), op, ": ", name, ": expected a contiguous tensor");
+  }
+  MMFUSE_CHECK(a.dtype == DType::kFloat8E4M3 || b.dtype == DType::kFloat8E4M3, op,
+               ": a and b: at most one of them may be float8_e5m2, got both");
+  MMFUSE_CHECK(b.shape[1] == a.shape[1], op, ": b: expected ", a.shape[1], " columns (the k of a), got shape ",
+               shape_str(b));
+  const int64_t m = a.shape[0], n = b.shape[0];
+  check_scalar_f32(op, "scale_a", scale_a, dev);
+  check_scalar_f32(op, "scale_b", scale_b, dev);
+  MMFUSE_CHECK(out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat32, op,
+               ": out: expected dtype bfloat16 or float32, got ", dtype_name(out.dtype));
+  MMFUSE_CHECK(out.shape[0] == m && out.shape[1] == n, op, ": out: expected shape [", m, ", ", n, "], got ",
+               shape_str(out));
+  const bool empty = m == 0 || n == 0;
+  // contiguous: cuBLASLt's fp8 kernels refused a padded row stride on the H200 (status 15)
+  MMFUSE_CHECK(empty || dense(out), op, ": out: expected a contiguous tensor, got strides [", out.stride[0], ", ",
+               out.stride[1], "]");
+  MMFUSE_CHECK(!o.accumulate || out.dtype == DType::kFloat32, op, ": accumulate=True needs a float32 out, got ",
+               dtype_name(out.dtype));
+  if (bias.defined()) {
+    MMFUSE_CHECK(!o.accumulate && out.dtype == DType::kBFloat16, op,
+                 ": bias: only with a bfloat16 out and accumulate=False");
+    MMFUSE_CHECK(a.shape[1] > 0, op, ": bias: not supported with k = 0");
+    MMFUSE_CHECK(bias.ndim == 1 && bias.shape[0] == n && bias.dtype == DType::kBFloat16 && dense(bias) &&
+                     bias.device == dev,
+                 op, ": bias: expected a contiguous bfloat16 [", n, "] on ", device_name(dev), ", got ",
+                 shape_str(bias), " ", dtype_name(bias.dtype));
+  }
+  if (dev.type == DeviceType::kCPU) {
+    detail::fp8_gemm_cpu(a, b, *scale_a.ptr<float>(), *scale_b.ptr<float>(), bias, out, o);
+    return;
+  }
+  MMFUSE_CHECK(ws.defined() && ws.device == dev && ws.ndim == 1 && dense(ws) &&
+                   int64_t(ws.shape[0] * dtype_size(ws.dtype)) >= fp8_gemm_workspace_bytes(),
+               op, ": workspace: expected a contiguous buffer of >= ", fp8_gemm_workspace_bytes(), " bytes on ",
+               device_name(dev), ", got ", ws.defined() ? shape_str(ws) : std::string("none"));
+#ifdef MMFUSE_WITH_CUDA
+  detail::fp8_gemm_cuda(a, b, scale_a, scale_b, bias, out, o, ws, stream);
+#else
+  (void)stream;
+  no_cuda_backend(op);
+#endif
+}
+
+}  // namespace mmfuse

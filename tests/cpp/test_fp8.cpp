@@ -1,0 +1,417 @@
+// FP8 building blocks: the host conversion against every code, the CPU quantize against its
+// definition (nearest representable value, saturation, padding, history), the CPU GEMM against a
+// float64 sum of the decoded values, CUDA against CPU (quantize bitwise, GEMM within fp32 rounding),
+// and bad input naming the argument.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "mmfuse/fp8.h"
+#include "test_util.h"
+
+using namespace mmfuse;
+using namespace mmfuse::test;
+
+namespace {
+
+TEST(Fp8Convert, EveryCodeRoundTripsAndTiesGoToEven) {
+  for (bool e4m3 : {true, false}) {
+    const int max_code = e4m3 ? 0x7e : 0x7b;
+    for (int c = 0; c <= max_code; ++c) {
+      for (uint8_t sign : {uint8_t(0), uint8_t(0x80)}) {
+        const uint8_t code = uint8_t(c | sign);
+        const float v = fp8_to_float(code, e4m3);
+        EXPECT_EQ(float_to_fp8(v, e4m3), code) << "e4m3=" << e4m3 << " code " << c;
+        if (c < max_code) {  // the midpoint to the next code rounds to the even one of the two
+          const float next = fp8_to_float(uint8_t(code + 1), e4m3);
+          const float mid = float((double(v) + double(next)) / 2);
+          const uint8_t even = (c % 2 == 0) ? code : uint8_t(code + 1);
+          EXPECT_EQ(float_to_fp8(mid, e4m3), even) << "e4m3=" << e4m3 << " midpoint after code " << c;
+        }
+      }
+    }
+    const float fmax = e4m3 ? 448.0f : 57344.0f;
+    EXPECT_EQ(fp8_to_float(uint8_t(max_code), e4m3), fmax);
+    for (float big : {fmax * 1.06f, 1e30f, INFINITY}) {  // saturation, never NaN or inf
+      EXPECT_EQ(float_to_fp8(big, e4m3), max_code);
+      EXPECT_EQ(float_to_fp8(-big, e4m3), max_code | 0x80);
+    }
+    EXPECT_EQ(float_to_fp8(1e-30f, e4m3), 0);
+    EXPECT_TRUE(std::isnan(fp8_to_float(float_to_fp8(NAN, e4m3), e4m3)));
+  }
+}
+
+struct Quant {
+  std::vector<uint8_t> q, qt;
+  std::vector<float> state;
+  float scale_inv = NAN;
+};
+
+// Quantizes host x [r, c] (row stride ld) on the CPU or through the GPU; state in/out.
+template <class S>
+void quantize(const std::vector<S>& x, int64_t r, int64_t c, int64_t ld, DType fmt, bool want_q, bool want_qt,
+              bool dynamic, Quant& out, bool cuda) {
+  const int64_t cp = fp8_padded(c), rp = fp8_padded(r);
+  out.q.assign(want_q ? size_t(rp * cp) : 0, 0xAB);  // poisoned
+  out.qt.assign(want_qt ? size_t(cp * rp) : 0, 0xAB);
+  Fp8QuantJob j;
+  std::vector<int64_t> xs = {r, c}, xst = {ld, 1};
+  j.src = host_view(const_cast<S*>(x.data()), dtype_of<S>(), xs, xst);
+  if (want_q) j.q = host_view(out.q.data(), fmt, {rp, cp});
+  if (want_qt) j.qt = host_view(out.qt.data(), fmt, {cp, rp});
+  j.scale_inv = host_view(&out.scale_inv, DType::kFloat32, {1});
+  j.state = host_view(out.state.data(), DType::kFloat32, {int64_t(out.state.size())});
+  j.dynamic = dynamic;
+  if (!cuda) return fp8_quantize(&j, 1, nullptr);
+#ifdef MMFUSE_WITH_CUDA
+  DeviceBuffer<S> dx(x);
+  DeviceBuffer<uint8_t> dq(std::max<size_t>(1, out.q.size())), dqt(std::max<size_t>(1, out.qt.size()));
+  dq.poison();
+  dqt.poison();
+  DeviceBuffer<float> ds(out.state), dsi(1);
+  dsi.poison();
+  Fp8QuantJob g = j;
+  g.src.data = dx.ptr;
+  g.q.data = dq.ptr;
+  g.qt.data = dqt.ptr;
+  g.scale_inv.data = dsi.ptr;
+  g.state.data = ds.ptr;
+  for (TensorView* v : {&g.src, &g.q, &g.qt, &g.scale_inv, &g.state}) v->device = Device{DeviceType::kCUDA, 0};
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  fp8_quantize(&g, 1, s);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  cudaStreamDestroy(s);
+  if (!out.q.empty()) out.q = dq.download();
+  if (!out.qt.empty()) out.qt = dqt.download();
+  out.state = ds.download();
+  out.scale_inv = dsi.download()[0];
+#else
+  FAIL() << "no CUDA in this build";
+#endif
+}
+
+// The CPU quantize against its definition.
+template <class S>
+void check_cpu_quantize(int64_t r, int64_t c, DType fmt, bool dynamic) {
+  SCOPED_TRACE(testing::Message() << "r=" << r << " c=" << c << " fmt=" << dtype_name(fmt) << " dynamic=" << dynamic);
+  std::mt19937_64 rng(test_seed() + uint64_t(r * 1000 + c));
+  const int64_t ld = c + 3;
+  std::vector<S> x = random_vec<S>(size_t(r * ld), rng, -3.0, 3.0);
+  if (r * c > 0) x[size_t((r / 2) * ld + c / 2)] = from_double<S>(-37.5);  // an outlier sets amax
+  double amax = 0;
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t k = 0; k < c; ++k) amax = std::max(amax, std::fabs(as_double(x[size_t(i * ld + k)])));
+  Quant out;
+  out.state = {10.0f, 2.0f, 0.0f, 0.0f};  // history of 2 (newest first), then scratch
+  quantize(x, r, c, ld, fmt, true, true, dynamic, out, false);
+  const bool e4m3 = fmt == DType::kFloat8E4M3;
+  const float used = dynamic ? float(amax) : 10.0f;  // delayed: max of the history
+  const float scale = fp8_max(fmt) / std::max(used, kFp8AmaxEps);
+  EXPECT_EQ(out.scale_inv, 1.0f / scale);
+  EXPECT_EQ(out.state[0], float(amax));
+  EXPECT_EQ(out.state[1], 10.0f);  // the older entry moved down (the oldest, 2, dropped)
+  EXPECT_EQ(out.state[2], 0.0f);
+  EXPECT_EQ(out.state[3], 0.0f);
+  const int64_t cp = fp8_padded(c), rp = fp8_padded(r);
+  for (int64_t i = 0; i < rp; ++i) {
+    for (int64_t k = 0; k < cp; ++k) {
+      uint8_t code;
+      if (i < r && k < c) {
+        const float v = float(as_double(x[size_t(i * ld + k)])) * scale;
+        code = out.q[size_t(i * cp + k)];
+        const float got = fp8_to_float(code, e4m3);
+        const float clamped = std::max(-fp8_max(fmt), std::min(fp8_max(fmt), v));
+        // nearest: no neighbouring code is closer
+        for (int d : {-1, 1}) {
+          const int nb = (code & 0x7f) + d;
+          if (nb < 0 || nb > (e4m3 ? 0x7e : 0x7b)) continue;
+          const float other = fp8_to_float(uint8_t((code & 0x80) | nb), e4m3);
+          ASSERT_LE(std::fabs(got - clamped), std::fabs(other - clamped)) << i << "," << k;
+        }
+      } else {
+        code = 0;  // padding
+        ASSERT_EQ(out.q[size_t(i * cp + k)], 0) << "q padding " << i << "," << k;
+      }
+      ASSERT_EQ(out.qt[size_t(k * rp + i)], code) << "qt " << k << "," << i;
+    }
+  }
+}
+
+TEST(Fp8QuantizeCpu, NearestSaturatedPaddedBothCopies) {
+  for (DType fmt : {DType::kFloat8E4M3, DType::kFloat8E5M2})
+    for (bool dynamic : {true, false})
+      for (auto [r, c] : {std::pair<int64_t, int64_t>{1, 1}, {5, 7}, {16, 32}, {70, 130}, {3, 64}}) {
+        check_cpu_quantize<bf16>(r, c, fmt, dynamic);
+        check_cpu_quantize<float>(r, c, fmt, dynamic);
+      }
+  check_cpu_quantize<f16>(33, 17, DType::kFloat8E4M3, true);
+}
+
+TEST(Fp8QuantizeCpu, DelayedOnAFreshStateScalesLikeDynamic) {
+  std::mt19937_64 rng(test_seed());
+  std::vector<bf16> x = random_vec<bf16>(40 * 24, rng, -7.0, 7.0);
+  Quant dyn, del;
+  dyn.state = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  del.state = dyn.state;
+  quantize(x, 40, 24, 24, DType::kFloat8E4M3, true, true, true, dyn, false);
+  quantize(x, 40, 24, 24, DType::kFloat8E4M3, true, true, false, del, false);
+  EXPECT_EQ(dyn.q, del.q);
+  EXPECT_EQ(dyn.qt, del.qt);
+  EXPECT_EQ(dyn.scale_inv, del.scale_inv);
+  const float amax = dyn.state[0];
+  EXPECT_GT(amax, 0.0f);
+  EXPECT_EQ(del.state, (std::vector<float>{amax, amax, 0.0f, 0.0f, 0.0f}));  // the amax pass, then the cast
+}
+
+TEST(Fp8QuantizeCpu, ZerosGiveZerosAndFiniteScale) {
+  std::vector<bf16> x(12 * 20, to_bf16(0.0f));
+  Quant out;
+  out.state = {0.0f, 0.0f, 0.0f};
+  quantize(x, 12, 20, 20, DType::kFloat8E4M3, true, false, true, out, false);
+  EXPECT_TRUE(std::isfinite(out.scale_inv));
+  EXPECT_GT(out.scale_inv, 0.0f);
+  for (uint8_t q : out.q) EXPECT_EQ(q, 0);
+}
+
+// A GEMM problem: a [m, k], b [n, k] fp8 (random codes of small values), checked against float64.
+struct GemmCase {
+  int64_t m, n, k;
+  DType ta, tb, tout;
+  bool bias, accumulate;
+};
+
+std::vector<uint8_t> random_codes(size_t count, bool e4m3, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> d(-6.0f, 6.0f);
+  std::vector<uint8_t> v(count);
+  for (auto& c : v) c = float_to_fp8(d(rng), e4m3);
+  return v;
+}
+
+void run_gemm(const GemmCase& g, bool cuda) {
+  SCOPED_TRACE(testing::Message() << g.m << "x" << g.n << "x" << g.k << " " << dtype_name(g.ta) << "*"
+                                  << dtype_name(g.tb) << "->" << dtype_name(g.tout) << " bias=" << g.bias
+                                  << " acc=" << g.accumulate << " cuda=" << cuda);
+  std::mt19937_64 rng(test_seed() + uint64_t(g.m * 7 + g.n * 13 + g.k));
+  const bool a43 = g.ta == DType::kFloat8E4M3, b43 = g.tb == DType::kFloat8E4M3;
+  std::vector<uint8_t> a = random_codes(size_t(g.m * g.k), a43, rng), b = random_codes(size_t(g.n * g.k), b43, rng);
+  std::vector<bf16> bias = random_vec<bf16>(size_t(g.n), rng);
+  const int64_t ldo = g.n;
+  const float sa = 0.375f, sb = 1.0f / 1024.0f;
+  std::vector<float> prior = random_vec<float>(size_t(g.m * ldo), rng);
+  std::vector<float> out32 = prior;
+  std::vector<bf16> out16(size_t(g.m * ldo));
+  if (!g.accumulate) {
+    poison(out32);
+    poison(out16);
+  }
+  Fp8GemmOptions o;
+  o.accumulate = g.accumulate;
+  o.fast_accum = !g.accumulate;
+  const bool f32 = g.tout == DType::kFloat32;
+  TensorView av = host_view(a.data(), g.ta, {g.m, g.k}), bv = host_view(b.data(), g.tb, {g.n, g.k});
+  float hs[2] = {sa, sb};
+  TensorView sav = host_view(&hs[0], DType::kFloat32, {1}), sbv = host_view(&hs[1], DType::kFloat32, {1});
+  TensorView biasv = g.bias ? host_view(bias.data(), DType::kBFloat16, {g.n}) : TensorView{};
+  TensorView ov = host_view(f32 ? static_cast<void*>(out32.data()) : static_cast<void*>(out16.data()), g.tout,
+                            {g.m, g.n}, {ldo, 1});
+  if (!cuda) {
+    TensorView none;
+    fp8_gemm(av, bv, sav, sbv, biasv, ov, o, none, nullptr);
+  } else {
+#ifdef MMFUSE_WITH_CUDA
+    DeviceBuffer<uint8_t> da(a), db(b), ws{static_cast<size_t>(fp8_gemm_workspace_bytes())};
+    DeviceBuffer<bf16> dbias(bias), do16(out16);
+    DeviceBuffer<float> dsc(std::vector<float>{sa, sb}), do32(out32);
+    auto dv = [](TensorView v, void* p) {
+      v.data = p;
+      v.device = Device{DeviceType::kCUDA, 0};
+      return v;
+    };
+    TensorView cav = dv(av, da.ptr), cbv = dv(bv, db.ptr), csa = dv(sav, dsc.ptr), csb = dv(sbv, dsc.ptr + 1);
+    TensorView cbias = g.bias ? dv(biasv, dbias.ptr) : TensorView{};
+    TensorView cov = dv(ov, f32 ? static_cast<void*>(do32.ptr) : static_cast<void*>(do16.ptr));
+    TensorView cws = device_view(ws.ptr, DType::kUInt8, {int64_t(ws.n)});
+    cudaStream_t s = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    fp8_gemm(cav, cbv, csa, csb, cbias, cov, o, cws, s);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    cudaStreamDestroy(s);
+    out32 = do32.download();
+    out16 = do16.download();
+#else
+    FAIL() << "no CUDA in this build";
+#endif
+  }
+  for (int64_t i = 0; i < g.m; ++i) {
+    for (int64_t j = 0; j < g.n; ++j) {
+      double ref = 0, mag = 0;
+      for (int64_t kk = 0; kk < g.k; ++kk) {
+        const double p = double(fp8_to_float(a[size_t(i * g.k + kk)], a43)) * fp8_to_float(b[size_t(j * g.k + kk)], b43);
+        ref += p;
+        mag += std::fabs(p);
+      }
+      ref *= double(sa) * sb;
+      mag *= double(sa) * sb;
+      if (g.bias) ref += double(to_float(bias[size_t(j)]));
+      if (g.accumulate) ref += double(prior[size_t(i * ldo + j)]);
+      const double got = f32 ? double(out32[size_t(i * ldo + j)]) : double(to_float(out16[size_t(i * ldo + j)]));
+      // fp32 accumulation (~k ulps of the magnitude; the tensor cores' fast fp8 accumulation keeps
+      // fewer bits) plus the output's own rounding
+      const double acc_tol = cuda && o.fast_accum ? 1e-3 : 1e-6 * double(g.k + 4);
+      const double tol = acc_tol * (mag + 1.0) + (f32 ? 0.0 : std::fabs(ref) * 0x1p-8);
+      ASSERT_NEAR(got, ref, tol) << "out[" << i << ", " << j << "]";
+    }
+  }
+}
+
+std::vector<GemmCase> gemm_cases() {
+  const DType e4 = DType::kFloat8E4M3, e5 = DType::kFloat8E5M2, b16 = DType::kBFloat16, f32 = DType::kFloat32;
+  return {{1, 16, 16, e4, e4, b16, false, false},  {7, 48, 48, e4, e4, b16, true, false},
+          {64, 48, 128, e5, e4, b16, false, false}, {19, 16, 32, e4, e5, f32, false, false},
+          {40, 32, 64, e5, e4, f32, false, true},  {0, 16, 16, e4, e4, b16, false, false},
+          {5, 16, 0, e4, e4, f32, false, true},     {130, 80, 272, e4, e4, b16, true, false}};
+}
+
+TEST(Fp8GemmCpu, MatchesFloat64) {
+  for (const auto& g : gemm_cases()) run_gemm(g, false);
+}
+
+TEST(Fp8Errors, NameTheArgument) {
+  std::vector<bf16> x(4 * 8);
+  std::vector<uint8_t> q(16 * 16), wrong(4 * 8);
+  std::vector<float> st(3), si(1), small(2);
+  Fp8QuantJob j;
+  j.src = host_view(x.data(), DType::kBFloat16, {4, 8});
+  j.q = host_view(q.data(), DType::kFloat8E4M3, {16, 16});
+  j.scale_inv = host_view(si.data(), DType::kFloat32, {1});
+  j.state = host_view(st.data(), DType::kFloat32, {3});
+  Fp8QuantJob bad = j;
+  bad.q = host_view(wrong.data(), DType::kFloat8E4M3, {4, 8});
+  expect_error([&] { fp8_quantize(&bad, 1, nullptr); }, "q: expected shape [16, 16]");
+  bad = j;
+  bad.q.dtype = DType::kUInt8;
+  expect_error([&] { fp8_quantize(&bad, 1, nullptr); }, "q: expected dtype float8_e4m3fn or float8_e5m2");
+  bad = j;
+  bad.state = host_view(small.data(), DType::kFloat32, {2});
+  expect_error([&] { fp8_quantize(&bad, 1, nullptr); }, "state: expected a contiguous float32 [history + 2]");
+  bad = j;
+  bad.src.dtype = DType::kInt32;
+  expect_error([&] { fp8_quantize(&bad, 1, nullptr); }, "x: expected dtype bfloat16, float16 or float32, got int32");
+  bad = j;
+  bad.q = TensorView{};
+  expect_error([&] { fp8_quantize(&bad, 1, nullptr); }, "expected q, qt or both");
+  expect_error([&] { fp8_quantize(&j, 3, nullptr); }, "expected 1 or 2 tensors, got 3");
+
+  std::vector<uint8_t> a(4 * 16), b(16 * 16);
+  std::vector<float> out(4 * 16), sc(2, 1.0f);
+  TensorView av = host_view(a.data(), DType::kFloat8E5M2, {4, 16}), bv = host_view(b.data(), DType::kFloat8E5M2, {16, 16});
+  TensorView s0 = host_view(&sc[0], DType::kFloat32, {1}), s1 = host_view(&sc[1], DType::kFloat32, {1});
+  TensorView ov = host_view(out.data(), DType::kFloat32, {4, 16}), none;
+  Fp8GemmOptions o;
+  expect_error([&] { fp8_gemm(av, bv, s0, s1, none, ov, o, none, nullptr); }, "at most one of them may be float8_e5m2");
+  av.dtype = DType::kFloat8E4M3;
+  TensorView b12 = host_view(b.data(), DType::kFloat8E4M3, {16, 12});
+  expect_error([&] { fp8_gemm(av, b12, s0, s1, none, ov, o, none, nullptr); }, "b: expected k (its columns) a multiple of 16");
+  TensorView b8 = host_view(b.data(), DType::kFloat8E4M3, {8, 16});
+  expect_error([&] { fp8_gemm(av, b8, s0, s1, none, ov, o, none, nullptr); }, "b: expected n (its rows) a multiple of 16");
+  TensorView ov5 = host_view(out.data(), DType::kFloat32, {4, 5}, {16, 1});
+  expect_error([&] { fp8_gemm(av, bv, s0, s1, none, ov5, o, none, nullptr); }, "out: expected shape [4, 16], got [4, 5]");
+  TensorView odd = host_view(out.data(), DType::kFloat32, {2, 16}, {32, 1});
+  expect_error([&] { fp8_gemm(host_view(a.data(), DType::kFloat8E4M3, {2, 16}), bv, s0, s1, none, odd, o, none, nullptr); },
+               "out: expected a contiguous tensor");
+  TensorView bias = host_view(out.data(), DType::kFloat32, {16});
+  expect_error([&] { fp8_gemm(av, bv, s0, s1, bias, ov, o, none, nullptr); }, "bias: only with a bfloat16 out");
+}
+
+#ifdef MMFUSE_WITH_CUDA
+// CUDA against CPU: q, qt, scale_inv and the state bitwise, for odd and aligned shapes, each source
+// dtype, both formats, dynamic and delayed, strided rows.
+template <class S>
+void check_cuda_quantize(int64_t r, int64_t c, int64_t ld, DType fmt, bool dynamic, bool want_q, bool want_qt,
+                         bool fresh = false) {
+  SCOPED_TRACE(testing::Message() << "r=" << r << " c=" << c << " ld=" << ld << " fmt=" << dtype_name(fmt)
+                                  << " dynamic=" << dynamic << " q=" << want_q << " qt=" << want_qt);
+  std::mt19937_64 rng(test_seed() + uint64_t(r * 977 + c * 3 + ld));
+  std::vector<S> x = random_vec<S>(size_t(std::max<int64_t>(1, r * ld)), rng, -50.0, 50.0);
+  Quant cpu, gpu;
+  cpu.state = gpu.state = fresh ? std::vector<float>(5, 0.0f) : std::vector<float>{3.0f, 90.0f, 7.0f, 0.0f, 0.0f};
+  quantize(x, r, c, ld, fmt, want_q, want_qt, dynamic, cpu, false);
+  quantize(x, r, c, ld, fmt, want_q, want_qt, dynamic, gpu, true);
+  EXPECT_TRUE(bits_equal(cpu.scale_inv, gpu.scale_inv)) << cpu.scale_inv << " vs " << gpu.scale_inv;
+  for (size_t i = 0; i < cpu.state.size(); ++i) EXPECT_TRUE(bits_equal(cpu.state[i], gpu.state[i])) << "state " << i;
+  EXPECT_EQ(cpu.q, gpu.q);
+  EXPECT_EQ(cpu.qt, gpu.qt);
+}
+
+TEST(Fp8QuantizeCuda, BitwiseEqualToCpu) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  for (DType fmt : {DType::kFloat8E4M3, DType::kFloat8E5M2})
+    for (bool dynamic : {true, false})
+      for (auto [r, c] : {std::pair<int64_t, int64_t>{1, 1}, {5, 7}, {64, 64}, {100, 200}, {257, 72}, {0, 16}, {9, 0}}) {
+        check_cuda_quantize<bf16>(r, c, c, fmt, dynamic, true, true);
+        check_cuda_quantize<bf16>(r, c, c + 8, fmt, dynamic, true, false);
+        check_cuda_quantize<f16>(r, c, c + 1, fmt, dynamic, false, true);
+        check_cuda_quantize<float>(r, c, c, fmt, dynamic, true, true);
+      }
+  check_cuda_quantize<bf16>(4096, 1000, 1000, DType::kFloat8E4M3, false, true, true);  // many blocks a job
+  for (bool dynamic : {true, false})  // a fresh state: delayed scaling runs the amax pass first
+    for (auto [r, c] : {std::pair<int64_t, int64_t>{5, 7}, {300, 136}, {0, 16}})
+      check_cuda_quantize<bf16>(r, c, c, DType::kFloat8E4M3, dynamic, true, true, true);
+}
+
+TEST(Fp8QuantizeCuda, TwoJobsInOneLaunchMatchTwoCalls) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  std::mt19937_64 rng(test_seed());
+  const int64_t r0 = 300, c0 = 136, r1 = 48, c1 = 300;
+  std::vector<bf16> x0 = random_vec<bf16>(size_t(r0 * c0), rng), x1 = random_vec<bf16>(size_t(r1 * c1), rng, -9, 9);
+  Quant ref0, ref1;
+  ref0.state = {1.0f, 0.0f, 0.0f};
+  ref1.state = {5.0f, 0.0f, 0.0f};
+  quantize(x0, r0, c0, c0, DType::kFloat8E4M3, true, true, true, ref0, false);
+  quantize(x1, r1, c1, c1, DType::kFloat8E4M3, true, true, false, ref1, false);
+  DeviceBuffer<bf16> d0(x0), d1(x1);
+  const int64_t rp0 = fp8_padded(r0), cp0 = fp8_padded(c0), rp1 = fp8_padded(r1), cp1 = fp8_padded(c1);
+  DeviceBuffer<uint8_t> q0(size_t(rp0 * cp0)), qt0(size_t(cp0 * rp0)), q1(size_t(rp1 * cp1)), qt1(size_t(cp1 * rp1));
+  DeviceBuffer<float> s0(std::vector<float>{1.0f, 0.0f, 0.0f}), s1(std::vector<float>{5.0f, 0.0f, 0.0f}), si(2);
+  for (auto* b : {&q0, &qt0, &q1, &qt1}) b->poison();
+  Fp8QuantJob j[2];
+  const DType e4 = DType::kFloat8E4M3;
+  j[0].src = device_view(d0.ptr, DType::kBFloat16, {r0, c0});
+  j[0].q = device_view(q0.ptr, e4, {rp0, cp0});
+  j[0].qt = device_view(qt0.ptr, e4, {cp0, rp0});
+  j[0].scale_inv = device_view(si.ptr, DType::kFloat32, {1});
+  j[0].state = device_view(s0.ptr, DType::kFloat32, {3});
+  j[0].dynamic = true;
+  j[1].src = device_view(d1.ptr, DType::kBFloat16, {r1, c1});
+  j[1].q = device_view(q1.ptr, e4, {rp1, cp1});
+  j[1].qt = device_view(qt1.ptr, e4, {cp1, rp1});
+  j[1].scale_inv = device_view(si.ptr + 1, DType::kFloat32, {1});
+  j[1].state = device_view(s1.ptr, DType::kFloat32, {3});
+  j[1].dynamic = false;
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  fp8_quantize(j, 2, s);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  cudaStreamDestroy(s);
+  EXPECT_EQ(q0.download(), ref0.q);
+  EXPECT_EQ(qt0.download(), ref0.qt);
+  EXPECT_EQ(q1.download(), ref1.q);
+  EXPECT_EQ(qt1.download(), ref1.qt);
+  EXPECT_EQ(s0.download(), ref0.state);
+  EXPECT_EQ(s1.download(), ref1.state);
+  const auto sis = si.download();
+  EXPECT_EQ(sis[0], ref0.scale_inv);
+  EXPECT_EQ(sis[1], ref1.scale_inv);
+}
+
+TEST(Fp8GemmCuda, MatchesFloat64) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  for (const auto& g : gemm_cases()) run_gemm(g, true);
+  run_gemm({1000, 1040, 2048, DType::kFloat8E4M3, DType::kFloat8E4M3, DType::kBFloat16, true, false}, true);
+}
+#endif
+
+}  // namespace
