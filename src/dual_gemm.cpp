@@ -71,10 +71,7 @@ void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, con
     return;
   }
   MMFUSE_CHECK(in != DType::kFloat64, op, ": a0: float64 is CPU only (for gradcheck)");
-  MMFUSE_CHECK(ws.defined() && ws.device == dev && ws.ndim == 1 && (ws.shape[0] <= 1 || ws.stride[0] == 1) &&
-                   int64_t(ws.shape[0] * dtype_size(ws.dtype)) >= dual_gemm_workspace_bytes(),
-               op, ": workspace: expected a contiguous buffer of >= ", dual_gemm_workspace_bytes(), " bytes on ",
-               device_name(dev), ", got ", ws.defined() ? shape_str(ws) : std::string("none"));
+  check_workspace(op, ws, dev, dual_gemm_workspace_bytes());
 #ifdef MMFUSE_WITH_CUDA
   detail::dual_gemm_cuda(a0, w0, out0, a1, w1, out1, o, ws, stream);
 #else

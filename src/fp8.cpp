@@ -143,10 +143,7 @@ void fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& scale_
     detail::fp8_gemm_cpu(a, b, *scale_a.ptr<float>(), *scale_b.ptr<float>(), bias, out, o);
     return;
   }
-  MMFUSE_CHECK(ws.defined() && ws.device == dev && ws.ndim == 1 && dense(ws) &&
-                   int64_t(ws.shape[0] * dtype_size(ws.dtype)) >= fp8_gemm_workspace_bytes(),
-               op, ": workspace: expected a contiguous buffer of >= ", fp8_gemm_workspace_bytes(), " bytes on ",
-               device_name(dev), ", got ", ws.defined() ? shape_str(ws) : std::string("none"));
+  check_workspace(op, ws, dev, fp8_gemm_workspace_bytes());
 #ifdef MMFUSE_WITH_CUDA
   detail::fp8_gemm_cuda(a, b, scale_a, scale_b, bias, out, o, ws, stream);
 #else

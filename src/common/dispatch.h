@@ -38,6 +38,14 @@ decltype(auto) dispatch_index(DType t, const char* what, F&& f) {
   MMFUSE_FAIL(op, ": this build of mmfuse has no CUDA backend (built with MMFUSE_CUDA=OFF)");
 }
 
+// The caller's CUDA workspace of an op: a contiguous 1-D buffer of at least `bytes` on `dev`.
+inline void check_workspace(const char* op, const TensorView& ws, Device dev, int64_t bytes) {
+  MMFUSE_CHECK(ws.defined() && ws.device == dev && ws.ndim == 1 && (ws.shape[0] <= 1 || ws.stride[0] == 1) &&
+                   int64_t(ws.shape[0] * dtype_size(ws.dtype)) >= bytes,
+               op, ": workspace: expected a contiguous buffer of >= ", bytes, " bytes on ", device_name(dev), ", got ",
+               ws.defined() ? shape_str(ws) : std::string("none"));
+}
+
 // Element (i, j) of a 2-D int32 / int64 view, widened to int64 (host views; dtype already checked).
 inline int64_t index_at(const TensorView& v, int64_t i, int64_t j) {
   const int64_t off = i * v.stride[0] + j * v.stride[1];

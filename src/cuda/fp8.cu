@@ -369,9 +369,7 @@ void fp8_gemm_cuda(const TensorView& a, const TensorView& b, const TensorView& s
   if (m == 0 || n == 0) return;
   const int64_t ldo = n;  // out is contiguous (checked)
   if (k == 0) {  // an empty sum: zero, or the accumulator unchanged (a bias is rejected before)
-    if (!o.accumulate)
-      MMFUSE_CUDA_CHECK(cudaMemset2DAsync(out.data, size_t(ldo) * dtype_size(out.dtype), 0,
-                                          size_t(n) * dtype_size(out.dtype), size_t(m), stream));
+    if (!o.accumulate) MMFUSE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, size_t(m * n) * dtype_size(out.dtype), stream));
     return;
   }
   MMFUSE_CHECK(cuda::alignment(a.data) >= 16 && cuda::alignment(b.data) >= 16 && cuda::alignment(out.data) >= 16,

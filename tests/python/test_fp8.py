@@ -414,3 +414,59 @@ def test_bad_input():
         Fp8Linear(32, 8, dtype=torch.bfloat16, fuse_wgrad_accumulation=True)(x)
     with pytest.raises(ValueError, match="masks: expected 3 bools"):
         fp8.fp8_linear_backward(x, x, w, (True,))
+
+
+def _fsdp2_worker(rank, world, port, out_dir):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        make = lambda: torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),  # noqa: E731
+                                           torch.nn.Linear(64, 48)).to(torch.bfloat16)
+        model, ref = make(), make()
+        ref.load_state_dict(model.state_dict())
+        convert_to_fp8(model, scaling="delayed")
+        convert_to_fp8(ref, scaling="delayed")
+        for m in model:
+            if isinstance(m, Fp8Linear):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)  # same on every rank
+        for _ in range(2):  # the second step runs delayed scaling from the first step's history
+            model.zero_grad()
+            ref.zero_grad()
+            y = model(x)
+            y.float().square().sum().backward()
+            yr = ref(x)
+            yr.float().square().sum().backward()
+            assert torch.equal(y, yr)
+            for p, pr in zip(model.parameters(), ref.parameters()):
+                assert type(p).__name__ == "DTensor"
+                assert torch.equal(p.grad.full_tensor(), pr.grad)  # the average over identical ranks
+        open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+    finally:
+        dist.destroy_process_group()
+
+
+# FSDP2 (fully_shard) on the CPU with the gloo backend, two ranks: Fp8Linear's forward and backward
+# through sharded parameters equal an unsharded copy's, bitwise.
+def test_fsdp2_gloo_cpu(tmp_path):
+    import socket
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp2_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
