@@ -35,6 +35,13 @@ void check_scalar_f32(const char* op, const char* name, const TensorView& v, Dev
                device_name(v.device));
 }
 
+void check_vector_f32(const char* op, const char* name, const TensorView& v, int64_t n, Device dev) {
+  MMFUSE_CHECK(v.defined() && v.ndim == 1 && v.dtype == DType::kFloat32 && v.shape[0] == n && dense(v) &&
+                   v.device == dev,
+               op, ": ", name, ": expected a contiguous float32 [", n, "] on ", device_name(dev), ", got ",
+               v.defined() ? shape_str(v) + " " + dtype_name(v.dtype) : std::string("none"));
+}
+
 void check_job(const char* op, const Fp8QuantJob& j, Device dev) {
   check_2d(op, "x", j.src, dev);
   const DType in = j.src.dtype;
@@ -65,6 +72,13 @@ void check_job(const char* op, const Fp8QuantJob& j, Device dev) {
     MMFUSE_CHECK(v->shape[0] == rows && v->shape[1] == cols, op, ": ", name, ": expected shape [", rows, ", ", cols,
                  "] (both dims padded to a multiple of ", kFp8Align, "), got ", shape_str(*v));
     MMFUSE_CHECK(dense(*v), op, ": ", name, ": expected a contiguous tensor");
+  }
+  if (j.per_row) {
+    MMFUSE_CHECK(j.dynamic, op, ": per_row: scales per row are always dynamic (dynamic=False is per tensor only)");
+    check_vector_f32(op, "scale_inv", j.scale_inv, fp8_padded(r), dev);
+    if (j.qt.defined()) check_vector_f32(op, "scale_inv_t", j.scale_inv_t, fp8_padded(c), dev);
+    check_vector_f32(op, "scratch", j.scratch, fp8_padded(r) + fp8_padded(c), dev);
+    return;
   }
   check_scalar_f32(op, "scale_inv", j.scale_inv, dev);
   MMFUSE_CHECK(j.state.defined() && j.state.ndim == 1 && j.state.dtype == DType::kFloat32 && j.state.shape[0] >= 3 &&
@@ -118,8 +132,17 @@ void fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& scale_
   MMFUSE_CHECK(b.shape[1] == a.shape[1], op, ": b: expected ", a.shape[1], " columns (the k of a), got shape ",
                shape_str(b));
   const int64_t m = a.shape[0], n = b.shape[0];
-  check_scalar_f32(op, "scale_a", scale_a, dev);
-  check_scalar_f32(op, "scale_b", scale_b, dev);
+  const bool vec = scale_a.defined() && scale_a.numel() != 1;
+  if (vec) {  // per row: scale_a covers a's rows (a padded copy may have more), scale_b b's
+    MMFUSE_CHECK(scale_a.ndim == 1 && scale_a.dtype == DType::kFloat32 && scale_a.shape[0] >= m && dense(scale_a) &&
+                     scale_a.device == dev,
+                 op, ": scale_a: expected float32 [1] or a contiguous float32 vector of >= ", m,
+                 " (one per row of a), got ", shape_str(scale_a), " ", dtype_name(scale_a.dtype));
+    check_vector_f32(op, "scale_b", scale_b, n, dev);
+  } else {
+    check_scalar_f32(op, "scale_a", scale_a, dev);
+    check_scalar_f32(op, "scale_b", scale_b, dev);
+  }
   MMFUSE_CHECK(out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat32, op,
                ": out: expected dtype bfloat16 or float32, got ", dtype_name(out.dtype));
   MMFUSE_CHECK(out.shape[0] == m && out.shape[1] == n, op, ": out: expected shape [", m, ", ", n, "], got ",
@@ -140,7 +163,7 @@ void fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& scale_
                  shape_str(bias), " ", dtype_name(bias.dtype));
   }
   if (dev.type == DeviceType::kCPU) {
-    detail::fp8_gemm_cpu(a, b, *scale_a.ptr<float>(), *scale_b.ptr<float>(), bias, out, o);
+    detail::fp8_gemm_cpu(a, b, scale_a, scale_b, bias, out, o);
     return;
   }
   check_workspace(op, ws, dev, fp8_gemm_workspace_bytes());

@@ -70,6 +70,8 @@ for r, c, dt in ((300, 136, torch.bfloat16), (7, 45, torch.float32), (1000, 64, 
     f8.fp8_quantize(xq, st, transposed=True)
     f8.fp8_quantize(xq, st, transposed=True, dynamic=False, dtype=f8.E5M2)
     f8.fp8_quantize(xq, st, rowwise=False, transposed=True)
+    f8.fp8_quantize(xq, transposed=True, per_row=True)
+    f8.fp8_quantize(xq, rowwise=False, transposed=True, per_row=True)
 if os.environ.get("MMFUSE_SANITIZER_TOOL") != "racecheck":
     for k_in, n_out in ((136, 72), (45, 29)):
         lin = mmfuse.nn.Fp8Linear(k_in, n_out, device="cuda", dtype=torch.bfloat16, fallback=False, scaling="delayed")
@@ -79,5 +81,7 @@ if os.environ.get("MMFUSE_SANITIZER_TOOL") != "racecheck":
         xl = torch.randn(50, k_in, device="cuda", dtype=torch.bfloat16)
         f8.fp8_linear_backward(torch.randn(50, n_out, device="cuda", dtype=torch.bfloat16), xl,
                                lin.weight.detach(), (True, True, True))
+        row = mmfuse.nn.Fp8Linear(k_in, n_out, device="cuda", dtype=torch.bfloat16, fallback=False, recipe="row")
+        row(xl.requires_grad_()).float().sum().backward()
 torch.cuda.synchronize()
 print("sanitizer workload done")

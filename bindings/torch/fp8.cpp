@@ -18,39 +18,51 @@ at::ScalarType fp8_type(bool e5m2) { return e5m2 ? at::kFloat8_e5m2 : at::kFloat
 
 Tensor empty0(const Tensor& like) { return at::empty({0}, like.options()); }
 
-// The quantized outputs of one tensor.
+// The quantized outputs of one tensor: scale_inv of q, scale_inv_t of qt (per row only; per tensor
+// qt shares scale_inv and scale_inv_t is empty); scratch: the per-row maxima.
 struct Quantized {
-  Tensor q, qt, scale_inv;
+  Tensor q, qt, scale_inv, scale_inv_t, scratch;
+  const Tensor& qt_scale_inv() const { return scale_inv_t.numel() ? scale_inv_t : scale_inv; }
 };
 
 // Fills a core job for x [R, C] with the outputs it asks for (allocated here).
 Fp8QuantJob make_job(const Tensor& x, Tensor& state, bool rowwise, bool transposed, bool e5m2, bool dynamic,
-                     Quantized& out) {
+                     bool per_row, Quantized& out) {
   const int64_t r = x.dim() == 2 ? x.size(0) : 0, c = x.dim() == 2 ? x.size(1) : 0;
+  const int64_t rp = fp8_padded(r), cp = fp8_padded(c);
   const auto opts = x.options().dtype(fp8_type(e5m2));
-  out.q = at::empty(rowwise ? at::IntArrayRef{fp8_padded(r), fp8_padded(c)} : at::IntArrayRef{0}, opts);
-  out.qt = at::empty(transposed ? at::IntArrayRef{fp8_padded(c), fp8_padded(r)} : at::IntArrayRef{0}, opts);
-  out.scale_inv = at::empty({1}, x.options().dtype(at::kFloat));
+  const auto f32 = x.options().dtype(at::kFloat);
+  out.q = at::empty(rowwise ? at::IntArrayRef{rp, cp} : at::IntArrayRef{0}, opts);
+  out.qt = at::empty(transposed ? at::IntArrayRef{cp, rp} : at::IntArrayRef{0}, opts);
+  out.scale_inv = at::empty({per_row ? rp : 1}, f32);
+  out.scale_inv_t = at::empty({per_row && transposed ? cp : 0}, f32);
   Fp8QuantJob j;
   j.src = view(x, "x");
   if (rowwise) j.q = view(out.q, "q");
   if (transposed) j.qt = view(out.qt, "qt");
   j.scale_inv = view(out.scale_inv, "scale_inv");
-  j.state = view(state, "state");
   j.dynamic = dynamic;
+  j.per_row = per_row;
+  if (per_row) {
+    out.scratch = at::zeros({rp + cp}, f32);
+    j.scratch = view(out.scratch, "scratch");
+    if (transposed) j.scale_inv_t = view(out.scale_inv_t, "scale_inv_t");
+  } else {
+    j.state = view(state, "state");
+  }
   return j;
 }
 
-std::tuple<Tensor, Tensor, Tensor> fp8_quantize_impl(const Tensor& x_in, Tensor& state, bool rowwise, bool transposed,
-                                                     bool e5m2, bool dynamic) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_quantize_impl(const Tensor& x_in, Tensor& state, bool rowwise,
+                                                             bool transposed, bool e5m2, bool dynamic, bool per_row) {
   const Tensor x = kernel_ready(x_in);
   Quantized out;
   guarded("fp8_quantize", [&] {
-    Fp8QuantJob j = make_job(x, state, rowwise, transposed, e5m2, dynamic, out);
+    Fp8QuantJob j = make_job(x, state, rowwise, transposed, e5m2, dynamic, per_row, out);
     c10::OptionalDeviceGuard g(x.device());
     fp8_quantize(&j, 1, current_stream(x));
   });
-  return {out.q, out.qt, out.scale_inv};
+  return {out.q, out.qt, out.scale_inv, out.scale_inv_t};
 }
 
 Tensor gemm_workspace(const Tensor& t) {
@@ -115,13 +127,14 @@ void fp8_gemm_out_impl(const Tensor& a, const Tensor& b, const Tensor& scale_a, 
   gemm_to("fp8_gemm", a, b, scale_a, scale_b, out, accumulate, fast_accum);
 }
 
-// y = x @ w^T + bias with x [M, K] quantized (dynamic or delayed: `dynamic`; q for the GEMM, qt kept
-// for dW when save_xt) and w quantized too (dynamic) unless its cached copies are given; x and w share
-// one amax launch and one cast launch.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fp8_linear_forward_impl(
+// y = x @ w^T + bias with x [M, K] quantized (dynamic or delayed: `dynamic`, or per row; q for the
+// GEMM, qt and its scales kept for dW when save_xt) and w quantized too (dynamic) unless its cached
+// copies are given; x and w share one amax launch and one cast launch (per row: and one memset of the
+// maxima).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fp8_linear_forward_impl(
     const Tensor& x_in, const Tensor& w_in, const OptTensor& bias, Tensor& x_state, Tensor& w_state,
     const OptTensor& w_q, const OptTensor& w_qt, const OptTensor& w_scale_inv, bool dynamic, bool save_xt,
-    bool save_wt) {
+    bool save_wt, bool per_row) {
   const Tensor x = kernel_ready(x_in);
   const bool cached = w_q.has_value();
   TORCH_CHECK_VALUE(!cached || (w_scale_inv.has_value() && (!save_wt || w_qt.has_value())),
@@ -130,19 +143,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fp8_linear_forward_im
   Quantized xq, wq;
   guarded("fp8_linear_forward", [&] {
     Fp8QuantJob jobs[2];
-    jobs[0] = make_job(x, x_state, true, save_xt, false, dynamic, xq);
+    jobs[0] = make_job(x, x_state, true, save_xt, false, dynamic || per_row, per_row, xq);
     int n = 1;
-    if (!cached) jobs[n++] = make_job(kernel_ready(w_in), w_state, true, save_wt, false, true, wq);  // w: dynamic
+    if (!cached) jobs[n++] = make_job(kernel_ready(w_in), w_state, true, save_wt, false, true, per_row, wq);  // dynamic
     c10::OptionalDeviceGuard g(x.device());
     fp8_quantize(jobs, n, current_stream(x));
   });
   const Tensor& wq_use = cached ? *w_q : wq.q;
   const Tensor& ws_use = cached ? *w_scale_inv : wq.scale_inv;
   Tensor y = product("fp8_linear_forward", xq.q, wq_use, xq.scale_inv, ws_use, bias, rows(x), rows(w_in), false, true);
+  const Tensor x_qt_si = save_xt ? xq.qt_scale_inv() : empty0(xq.scale_inv);
   if (!save_xt) xq.qt = at::empty({0}, xq.q.options());
-  if (cached) wq = {empty0(xq.q), empty0(xq.q), empty0(xq.scale_inv)};
+  if (cached) wq = {empty0(xq.q), empty0(xq.q), empty0(xq.scale_inv), empty0(xq.scale_inv), Tensor()};
   else if (!save_wt) wq.qt = empty0(xq.q);
-  return {y, xq.qt, xq.scale_inv, wq.q, wq.qt, wq.scale_inv};
+  return {y, xq.qt, x_qt_si, wq.q, wq.qt, wq.scale_inv, wq.scale_inv_t};
 }
 
 // dX = g @ w and dW = g^T @ x from the saved transposed copies x_qt [K, Mp] and w_qt [K, Np], the
@@ -151,14 +165,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fp8_linear_forward_im
 std::tuple<Tensor, Tensor, Tensor> fp8_linear_backward_impl(
     const Tensor& g_in, const Tensor& x_qt, const Tensor& x_scale_inv, const Tensor& w_qt, const Tensor& w_scale_inv,
     Tensor& g_state, int64_t k, bool dynamic, bool e5m2, bool need_dx, bool need_dw, bool need_db, bool dw_fp32,
-    const std::optional<Tensor>& main_grad, const OptTensor& x) {
+    const std::optional<Tensor>& main_grad, const OptTensor& x, bool per_row) {
   const Tensor g = kernel_ready(g_in);
   const bool dw_fp8 = need_dw && !x.has_value();
   Quantized gq;
   Tensor dx = empty0(g), dw = empty0(g), db = empty0(g);
   if (need_dx || dw_fp8) {
     guarded("fp8_linear_backward", [&] {
-      Fp8QuantJob j = make_job(g, g_state, need_dx, dw_fp8, e5m2, dynamic, gq);
+      Fp8QuantJob j = make_job(g, g_state, need_dx, dw_fp8, e5m2, dynamic || per_row, per_row, gq);
       c10::OptionalDeviceGuard dg(g.device());
       fp8_quantize(&j, 1, current_stream(g));
     });
@@ -170,9 +184,9 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_backward_impl(
   if (need_dw) {
     if (dw_fp8) {
       if (main_grad.has_value()) {
-        gemm_to("fp8_linear_backward", gq.qt, x_qt, gq.scale_inv, x_scale_inv, *main_grad, true, false);
+        gemm_to("fp8_linear_backward", gq.qt, x_qt, gq.qt_scale_inv(), x_scale_inv, *main_grad, true, false);
       } else {
-        dw = product("fp8_linear_backward", gq.qt, x_qt, gq.scale_inv, x_scale_inv, std::nullopt, n, k, dw_fp32,
+        dw = product("fp8_linear_backward", gq.qt, x_qt, gq.qt_scale_inv(), x_scale_inv, std::nullopt, n, k, dw_fp32,
                      false);
       }
     } else {  // bf16 weight gradient: g^T @ x on the tensor cores in g's dtype, fp32 accumulation

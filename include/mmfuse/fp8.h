@@ -18,9 +18,15 @@
 //     zero) gets this tensor's amax first, as dynamic scaling would (decided on the device: the amax
 //     pass still launches, and returns at once when the history has an entry), so the first call is
 //     exact and no caller has to know which call is first.
+// Per row (per_row): every row of q gets its own scale (from that row's amax) and every row of qt its
+// own (from that column of x's amax): scale_inv [pad(R)] for q and scale_inv_t [pad(C)] for qt; always
+// dynamic (no history), the amax pass writing row and column maxima into a caller's zeroed scratch
+// [pad(R) + pad(C)]. The GEMM then takes vector scales (per row of a and of b).
 // Up to two tensors (e.g. x and w) quantize in one launch (and one amax launch).
 //
-// GEMM: out [M, N] (+)= (a [M, K] @ b [N, K]^T) * scale_a[0] * scale_b[0] (+ bias [N]), a and b fp8
+// GEMM: out [M, N] (+)= (a [M, K] @ b [N, K]^T) * scale_a * scale_b (+ bias [N]), the scales both
+// float32 [1] (per tensor) or both vectors, scale_a[i] per row of a (>= M entries) and scale_b[j] per
+// row of b (N entries: out[i, j] = acc * scale_a[i] * scale_b[j]), a and b fp8
 // (e4m3, or one of them e5m2: the gradient), K and N multiples of 16 (padded copies; a may be the
 // first M rows of one), fp32 accumulation (fast accumulation optional, the forward's choice), out
 // bf16 (optionally with a bf16 bias) or fp32 (optionally accumulated into: weight-gradient
@@ -46,9 +52,12 @@ struct Fp8QuantJob {
   TensorView src;        // [R, C] bf16, fp16 or fp32, contiguous last dim
   TensorView q;          // optional: [fp8_padded(R), fp8_padded(C)] fp8 (e4m3 / e5m2), contiguous
   TensorView qt;         // optional: [fp8_padded(C), fp8_padded(R)] fp8 of the same format, contiguous
-  TensorView scale_inv;  // [1] float32 out: 1 / scale
-  TensorView state;      // [H + 2] float32 in/out (see above), H >= 1
+  TensorView scale_inv;    // float32 out, 1 / scale: [1], or per_row [fp8_padded(R)] (the scales of q)
+  TensorView scale_inv_t;  // per_row with qt: float32 out [fp8_padded(C)] (the scales of qt)
+  TensorView state;        // per tensor: [H + 2] float32 in/out (see above), H >= 1
+  TensorView scratch;      // per_row: float32 [fp8_padded(R) + fp8_padded(C)], zero on entry
   bool dynamic = true;
+  bool per_row = false;
 };
 
 // jobs: 1 or 2 tensors, all on one device.
@@ -68,8 +77,8 @@ MMFUSE_API void fp8_gemm(const TensorView& a, const TensorView& b, const TensorV
 
 namespace detail {
 void fp8_quantize_cpu(const Fp8QuantJob& job);
-void fp8_gemm_cpu(const TensorView& a, const TensorView& b, float scale_a, float scale_b, const TensorView& bias,
-                  TensorView& out, const Fp8GemmOptions& options);
+void fp8_gemm_cpu(const TensorView& a, const TensorView& b, const TensorView& scale_a, const TensorView& scale_b,
+                  const TensorView& bias, TensorView& out, const Fp8GemmOptions& options);
 #ifdef MMFUSE_WITH_CUDA
 void fp8_quantize_cuda(Fp8QuantJob* jobs, int num_jobs, cudaStream_t stream);
 void fp8_gemm_cuda(const TensorView& a, const TensorView& b, const TensorView& scale_a, const TensorView& scale_b,

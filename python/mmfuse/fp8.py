@@ -43,35 +43,48 @@ def new_state(history: int = DEFAULT_HISTORY, device=None) -> Tensor:
 
 class Fp8Quantized(NamedTuple):
     """``q [pad16(R), pad16(C)]`` and / or ``qt [pad16(C), pad16(R)]`` (empty where not asked for; the
-    padding is zero), ``scale_inv [1]``."""
+    padding is zero); ``scale_inv``: q's inverse scales (``[1]``, or per row ``[pad16(R)]``),
+    ``scale_inv_t``: qt's (the same tensor per tensor; per row ``[pad16(C)]``, one a column of x)."""
 
     q: Tensor
     qt: Tensor
     scale_inv: Tensor
+    scale_inv_t: Tensor
+
+
+def _quantized(q, qt, si, si_t) -> Fp8Quantized:
+    return Fp8Quantized(q, qt, si, si_t if si_t.numel() else si)
 
 
 def fp8_quantize(x: Tensor, state: Optional[Tensor] = None, *, rowwise: bool = True, transposed: bool = False,
-                 dtype: torch.dtype = E4M3, dynamic: bool = True) -> Fp8Quantized:
+                 dtype: torch.dtype = E4M3, dynamic: bool = True, per_row: bool = False) -> Fp8Quantized:
     """Quantizes ``x [..., C]`` (bf16, fp16 or fp32; flattened to ``[R, C]``) to fp8 in one pass.
 
     ``q = saturate(round_nearest_even(x * scale))``, written row-major (``rowwise``) and / or transposed
     (``transposed``), both dims zero-padded to a multiple of 16. ``state``: the amax state (updated in
     place); None: a fresh one. ``dynamic=False`` (delayed): scaled by the history's maximum, or by
-    x's own amax when the history is fresh (all zero). Bitwise equal on the CPU and the GPU.
+    x's own amax when the history is fresh (all zero). ``per_row``: a scale for every row of q (its
+    row's amax) and every row of qt (that column's amax), always dynamic; ``state`` is unused. Bitwise
+    equal on the CPU and the GPU.
     """
     if dtype not in (E4M3, E5M2):
         raise ValueError(f"mmfuse.fp8_quantize: dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     if state is None:
         state = new_state(1, x.device)
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    return Fp8Quantized(*torch.ops.mmfuse.fp8_quantize(x2, state, rowwise, transposed, dtype == E5M2, dynamic))
+    if per_row and not dynamic:
+        raise ValueError("mmfuse.fp8_quantize: per_row=True: scales per row are always dynamic (dynamic=False is "
+                         "per tensor only)")
+    return _quantized(*torch.ops.mmfuse.fp8_quantize(x2, state, rowwise, transposed, dtype == E5M2, dynamic, per_row))
 
 
 def fp8_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Optional[Tensor] = None,
              out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = True) -> Tensor:
     """``(a @ b^T) * scale_a * scale_b (+ bias)``: a ``[M, K]``, b ``[N, K]`` fp8 (K and N multiples of 16,
     as :func:`fp8_quantize` pads them: slice the result to the real columns; at most one of a and b
-    e5m2), scales float32 ``[1]``, bias bf16 ``[N]``; fp32 accumulation; result ``[M, N]`` bf16 or fp32."""
+    e5m2), scales both float32 ``[1]``, or both per row (``scale_a`` >= M entries, ``scale_b`` N:
+    ``out[i, j] = acc * scale_a[i] * scale_b[j]``), bias bf16 ``[N]``; fp32 accumulation; result
+    ``[M, N]`` bf16 or fp32."""
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"mmfuse.fp8_gemm: out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     return torch.ops.mmfuse.fp8_gemm(a, b, scale_a, scale_b, bias, out_dtype == torch.float32, fast_accum)
@@ -98,33 +111,33 @@ class _Fp8LinearFn(torch.autograd.Function):
     here (for the caller's cache), else empty."""
 
     @staticmethod
-    def forward(ctx, x2, w, bias, x_state, w_state, g_state, w_q, w_qt, w_si, dynamic, grad_e5m2, bf16_wgrad,
-                main_grad, keep_wt):
+    def forward(ctx, x2, w, bias, x_state, w_state, g_state, w_q, w_qt, w_si, w_si_t, dynamic, grad_e5m2,
+                bf16_wgrad, main_grad, keep_wt, per_row):
         need_dx, need_dw = x2.requires_grad, w.requires_grad
         save_xt = need_dw and not bf16_wgrad
-        y, x_qt, x_si, nq, nqt, nsi = torch.ops.mmfuse.fp8_linear_forward(
-            x2, w, bias, x_state, w_state, w_q, w_qt, w_si, dynamic, save_xt, need_dx or keep_wt)
-        cached = w_q is not None
-        ctx.save_for_backward(x_qt, x_si, w_qt if cached else nqt, w_si if cached else nsi, g_state,
-                              x2 if (need_dw and bf16_wgrad) else None, main_grad)
+        y, x_qt, x_si, nq, nqt, nsi, nsi_t = torch.ops.mmfuse.fp8_linear_forward(
+            x2, w, bias, x_state, w_state, w_q, w_qt, w_si, dynamic, save_xt, need_dx or keep_wt, per_row)
+        if w_q is None:
+            w_qt, w_si_t = nqt, (nsi_t if per_row else nsi)
+        ctx.save_for_backward(x_qt, x_si, w_qt, w_si_t, g_state, x2 if (need_dw and bf16_wgrad) else None, main_grad)
         ctx.grad_e5m2 = grad_e5m2
         ctx.dynamic = dynamic
+        ctx.per_row = per_row
         ctx.k = x2.shape[1]
-        ctx.mark_non_differentiable(nq, nqt, nsi)
-        return y, nq, nqt, nsi
+        ctx.mark_non_differentiable(nq, nqt, nsi, nsi_t)
+        return y, nq, nqt, nsi, nsi_t
 
     @staticmethod
-    def backward(ctx, gy, _gq, _gqt, _gsi):
+    def backward(ctx, gy, _gq, _gqt, _gsi, _gsit):
         x_qt, x_si, w_qt, w_si, g_state, x2, main_grad = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if main_grad is not None and not need_dw:
             main_grad = None
         dx, dw, db = torch.ops.mmfuse.fp8_linear_backward(
             gy.to(torch.bfloat16), x_qt, x_si, w_qt, w_si, g_state, ctx.k, ctx.dynamic, ctx.grad_e5m2, need_dx, need_dw,
-            need_db,
-            False, main_grad, x2)
+            need_db, False, main_grad, x2, ctx.per_row)
         dw_out = None if (not need_dw or main_grad is not None) else dw
-        return (dx if need_dx else None, dw_out, db if need_db else None) + (None,) * 11
+        return (dx if need_dx else None, dw_out, db if need_db else None) + (None,) * 13
 
 
 def _check_linear(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
@@ -140,7 +153,7 @@ def _check_linear(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]) ->
 def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, x_state: Optional[Tensor] = None,
                w_state: Optional[Tensor] = None, g_state: Optional[Tensor] = None, scaling: str = "dynamic",
                weight_fp8: Optional[Fp8Quantized] = None, grad_dtype: torch.dtype = E5M2, bf16_wgrad: bool = False,
-               main_grad: Optional[Tensor] = None, return_weight_fp8: bool = False):
+               main_grad: Optional[Tensor] = None, return_weight_fp8: bool = False, recipe: str = "tensor"):
     """``F.linear(x, weight, bias)`` in fp8, differentiable in x, weight and bias.
 
     Args:
@@ -149,6 +162,9 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, x_st
         scaling: ``"dynamic"``: x and the output gradient scaled by their own amax (a second read of
             each); ``"delayed"``: by the maximum of their states' histories (one pass each; the first
             call on a fresh state is exact, decided on the device). w is always scaled dynamically.
+        recipe: ``"tensor"`` (default): one scale a tensor; ``"row"``: one scale a row of each fp8
+            copy (x's and the gradient's rows and columns, w's rows and columns; always dynamic, so
+            ``scaling`` must be ``"dynamic"``): more accurate, one more memset a quantize.
         weight_fp8: w's fp8 copies from an earlier call (``return_weight_fp8``), reused instead of
             quantizing w again (gradient accumulation over micro-batches of one optimizer step).
         grad_dtype: the output gradient's format, e5m2 (default, more range) or e4m3 (more precision).
@@ -162,6 +178,11 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, x_st
     _check_linear("mmfuse.fp8_linear", x, weight, bias)
     if scaling not in ("dynamic", "delayed"):
         raise ValueError(f"mmfuse.fp8_linear: scaling: expected 'dynamic' or 'delayed', got {scaling!r}")
+    if recipe not in ("tensor", "row"):
+        raise ValueError(f"mmfuse.fp8_linear: recipe: expected 'tensor' or 'row', got {recipe!r}")
+    if recipe == "row" and scaling != "dynamic":
+        raise ValueError("mmfuse.fp8_linear: recipe='row' scales are always dynamic: expected scaling='dynamic', "
+                         f"got {scaling!r}")
     if grad_dtype not in (E4M3, E5M2):
         raise ValueError(f"mmfuse.fp8_linear: grad_dtype: expected torch.float8_e5m2 or torch.float8_e4m3fn, got "
                          f"{grad_dtype}")
@@ -169,14 +190,15 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, x_st
     x_state = new_state(1, dev) if x_state is None else x_state
     w_state = new_state(1, dev) if w_state is None else w_state
     g_state = new_state(1, dev) if g_state is None else g_state
-    wq = weight_fp8 if weight_fp8 is not None else Fp8Quantized(None, None, None)
-    y, nq, nqt, nsi = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, x_state, w_state, g_state, wq.q,
-                                         wq.qt, wq.scale_inv, scaling == "dynamic", grad_dtype == E5M2, bf16_wgrad,
-                                         main_grad, return_weight_fp8)
+    wq = weight_fp8 if weight_fp8 is not None else Fp8Quantized(None, None, None, None)
+    per_row = recipe == "row"
+    y, nq, nqt, nsi, nsi_t = _Fp8LinearFn.apply(
+        x.reshape(-1, x.shape[-1]), weight, bias, x_state, w_state, g_state, wq.q, wq.qt, wq.scale_inv,
+        wq.scale_inv_t, scaling == "dynamic", grad_dtype == E5M2, bf16_wgrad, main_grad, return_weight_fp8, per_row)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     if not return_weight_fp8:
         return y
-    return y, (None if weight_fp8 is not None else Fp8Quantized(nq, nqt, nsi))
+    return y, (None if weight_fp8 is not None else _quantized(nq, nqt, nsi, nsi_t))
 
 
 # ---- seed-compatible functions -----------------------------------------------------------------
@@ -244,9 +266,9 @@ def fp8_linear_backward(g: Tensor, x: Tensor, w: Tensor, masks: Sequence[bool]) 
     empty8 = torch.empty(0, dtype=E4M3, device=dev)
     one = torch.ones(1, dtype=torch.float32, device=dev)
     dx, dw, db = torch.ops.mmfuse.fp8_linear_backward(
-        g2, xq.qt if xq else empty8, xq.scale_inv if xq else one, wq.qt if wq else empty8,
-        wq.scale_inv if wq else one, new_state(1, dev), x.shape[-1], True, True, need_dx, need_dw, need_db, False, None,
-        None)
+        g2, xq.qt if xq else empty8, xq.scale_inv_t if xq else one, wq.qt if wq else empty8,
+        wq.scale_inv_t if wq else one, new_state(1, dev), x.shape[-1], True, True, need_dx, need_dw, need_db, False,
+        None, None)
     return (dx.reshape(x.shape) if need_dx else None, dw if need_dw else None, db if need_db else None)
 
 
@@ -257,12 +279,13 @@ def _strided_out(a: Tensor, m: int, n: int, dtype: torch.dtype) -> Tensor:
 
 
 @torch.library.register_fake("mmfuse::fp8_quantize")
-def _fp8_quantize_fake(x, state, rowwise=True, transposed=False, e5m2=False, dynamic=True):
+def _fp8_quantize_fake(x, state, rowwise=True, transposed=False, e5m2=False, dynamic=True, per_row=False):
     r, c = x.shape
     dt = E5M2 if e5m2 else E4M3
     q = x.new_empty((_pad16(r), _pad16(c)) if rowwise else (0,), dtype=dt)
     qt = x.new_empty((_pad16(c), _pad16(r)) if transposed else (0,), dtype=dt)
-    return q, qt, x.new_empty((1,), dtype=torch.float32)
+    si = x.new_empty((_pad16(r) if per_row else 1,), dtype=torch.float32)
+    return q, qt, si, x.new_empty((_pad16(c) if per_row and transposed else 0,), dtype=torch.float32)
 
 
 @torch.library.register_fake("mmfuse::fp8_gemm")
@@ -277,21 +300,25 @@ def _fp8_gemm_out_fake(a, b, scale_a, scale_b, out, accumulate=False, fast_accum
 
 @torch.library.register_fake("mmfuse::fp8_linear_forward")
 def _fp8_linear_forward_fake(x, w, bias, x_state, w_state, w_q=None, w_qt=None, w_scale_inv=None, dynamic=True,
-                             save_xt=True, save_wt=True):
+                             save_xt=True, save_wt=True, per_row=False):
     (m, k), n = x.shape, w.shape[0]
+    f32 = torch.float32
     y = _strided_out(x, m, n, torch.bfloat16)
     x_qt = x.new_empty((_pad16(k), _pad16(m)) if save_xt else (0,), dtype=E4M3)
-    x_si = x.new_empty((1,), dtype=torch.float32)
+    x_si = x.new_empty(((_pad16(k) if per_row else 1) if save_xt else 0,), dtype=f32)
     if w_q is not None:
-        return y, x_qt, x_si, x.new_empty((0,), dtype=E4M3), x.new_empty((0,), dtype=E4M3), x.new_empty((0,), dtype=torch.float32)
+        e8, e32 = x.new_empty((0,), dtype=E4M3), x.new_empty((0,), dtype=f32)
+        return y, x_qt, x_si, e8, e8.clone(), e32, e32.clone()
     wq = x.new_empty((_pad16(n), _pad16(k)), dtype=E4M3)
     wqt = x.new_empty((_pad16(k), _pad16(n)) if save_wt else (0,), dtype=E4M3)
-    return y, x_qt, x_si, wq, wqt, x.new_empty((1,), dtype=torch.float32)
+    wsi = x.new_empty((_pad16(n) if per_row else 1,), dtype=f32)
+    return y, x_qt, x_si, wq, wqt, wsi, x.new_empty((_pad16(k) if per_row and save_wt else 0,), dtype=f32)
 
 
 @torch.library.register_fake("mmfuse::fp8_linear_backward")
 def _fp8_linear_backward_fake(g, x_qt, x_scale_inv, w_qt, w_scale_inv, g_state, k, dynamic=True, e5m2=True,
-                              need_dx=True, need_dw=True, need_db=False, dw_fp32=False, main_grad=None, x=None):
+                              need_dx=True, need_dw=True, need_db=False, dw_fp32=False, main_grad=None, x=None,
+                              per_row=False):
     m, n = g.shape
     dx = _strided_out(g, m, k, torch.bfloat16) if need_dx else g.new_empty((0,))
     if need_dw and main_grad is None:

@@ -1,6 +1,7 @@
 // CPU backend of the fp8 building blocks: the CUDA numerics emulated (for tests and CPU-only use).
 // Quantize: the same scale and the same round-to-nearest-even saturating conversion as the kernels
-// (bitwise equal). GEMM: fp8 values decoded exactly, fp32 accumulation in k order, then the scales.
+// (bitwise equal), per tensor and per row. GEMM: fp8 values decoded exactly, fp32 accumulation in k
+// order, then the scales (scalars, or one per row of a and of b).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -20,26 +21,47 @@ void fp8_quantize_cpu(const Fp8QuantJob& j) {
     using S = typename decltype(tag)::type;
     const S* x = static_cast<const S*>(j.src.data);
     auto at = [&](int64_t i, int64_t k) { return float(load_val(x[i * j.src.stride[0] + k])); };
-    float amax = 0.0f;
-    for (int64_t i = 0; i < r; ++i)
-      for (int64_t k = 0; k < c; ++k) amax = std::fmax(amax, std::fabs(at(i, k)));  // fmax: NaN is ignored
-    float* hist = j.state.ptr<float>();
-    const int64_t h = j.state.shape[0] - 2;
-    auto record = [&] {  // newest first
-      for (int64_t i = h - 1; i > 0; --i) hist[i] = hist[i - 1];
-      hist[0] = amax;
-    };
-    float past = 0.0f;
-    for (int64_t i = 0; i < h; ++i) past = std::fmax(past, hist[i]);
-    if (j.dynamic || past == 0.0f) {  // the amax pass (delayed: only for a fresh history)
-      record();
-      past = amax;
+    const float fmax = fp8_max(fmt);
+    auto scale_of = [&](float amax) { return fmax / std::fmax(amax, kFp8AmaxEps); };
+    // the scale of each row of q and of each row of qt (all the same per tensor)
+    std::vector<float> qs(size_t(fp8_padded(r))), qts(size_t(fp8_padded(c)));
+    if (j.per_row) {
+      std::vector<float> ra(qs.size(), 0.0f), ca(qts.size(), 0.0f);  // row and column maxima
+      for (int64_t i = 0; i < r; ++i)
+        for (int64_t k = 0; k < c; ++k) {
+          const float v = std::fabs(at(i, k));
+          ra[size_t(i)] = std::fmax(ra[size_t(i)], v);  // fmax: NaN is ignored
+          ca[size_t(k)] = std::fmax(ca[size_t(k)], v);
+        }
+      for (size_t i = 0; i < qs.size(); ++i) qs[i] = scale_of(ra[i]);
+      for (size_t k = 0; k < qts.size(); ++k) qts[k] = scale_of(ca[k]);
+      for (size_t i = 0; i < qs.size(); ++i) j.scale_inv.ptr<float>()[i] = 1.0f / qs[i];
+      if (j.qt.defined())
+        for (size_t k = 0; k < qts.size(); ++k) j.scale_inv_t.ptr<float>()[k] = 1.0f / qts[k];
+    } else {
+      float amax = 0.0f;
+      for (int64_t i = 0; i < r; ++i)
+        for (int64_t k = 0; k < c; ++k) amax = std::fmax(amax, std::fabs(at(i, k)));
+      float* hist = j.state.ptr<float>();
+      const int64_t h = j.state.shape[0] - 2;
+      auto record = [&] {  // newest first
+        for (int64_t i = h - 1; i > 0; --i) hist[i] = hist[i - 1];
+        hist[0] = amax;
+      };
+      float past = 0.0f;
+      for (int64_t i = 0; i < h; ++i) past = std::fmax(past, hist[i]);
+      if (j.dynamic || past == 0.0f) {  // the amax pass (delayed: only for a fresh history)
+        record();
+        past = amax;
+      }
+      const float use = j.dynamic ? amax : past;
+      if (!j.dynamic) record();  // the delayed cast records its amax too
+      const float scale = scale_of(use);
+      *j.scale_inv.ptr<float>() = 1.0f / scale;
+      std::fill(qs.begin(), qs.end(), scale);
+      std::fill(qts.begin(), qts.end(), scale);
     }
-    const float use = j.dynamic ? amax : past;
-    if (!j.dynamic) record();  // the delayed cast records its amax too
-    const float scale = fp8_max(fmt) / std::fmax(use, kFp8AmaxEps);
-    *j.scale_inv.ptr<float>() = 1.0f / scale;
-    auto code = [&](int64_t i, int64_t k) -> uint8_t {
+    auto code = [&](int64_t i, int64_t k, float scale) -> uint8_t {
       return i < r && k < c ? float_to_fp8(at(i, k) * scale, e4m3) : uint8_t(0);
     };
     if (j.q.defined()) {
@@ -47,7 +69,7 @@ void fp8_quantize_cpu(const Fp8QuantJob& j) {
       const int64_t cp = j.q.shape[1];
       parallel_for(j.q.shape[0], 64, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i)
-          for (int64_t k = 0; k < cp; ++k) q[i * cp + k] = code(i, k);
+          for (int64_t k = 0; k < cp; ++k) q[i * cp + k] = code(i, k, qs[size_t(i)]);
       });
     }
     if (j.qt.defined()) {
@@ -55,14 +77,14 @@ void fp8_quantize_cpu(const Fp8QuantJob& j) {
       const int64_t rp = j.qt.shape[1];
       parallel_for(j.qt.shape[0], 64, [&](int64_t k0, int64_t k1) {
         for (int64_t k = k0; k < k1; ++k)
-          for (int64_t i = 0; i < rp; ++i) qt[k * rp + i] = code(i, k);
+          for (int64_t i = 0; i < rp; ++i) qt[k * rp + i] = code(i, k, qts[size_t(k)]);
       });
     }
   });
 }
 
-void fp8_gemm_cpu(const TensorView& a, const TensorView& b, float scale_a, float scale_b, const TensorView& bias,
-                  TensorView& out, const Fp8GemmOptions& o) {
+void fp8_gemm_cpu(const TensorView& a, const TensorView& b, const TensorView& scale_a, const TensorView& scale_b,
+                  const TensorView& bias, TensorView& out, const Fp8GemmOptions& o) {
   const int64_t m = a.shape[0], n = b.shape[0], k = a.shape[1];
   const bool a43 = a.dtype == DType::kFloat8E4M3, b43 = b.dtype == DType::kFloat8E4M3;
   // decode once: b as fp32 rows (k contiguous)
@@ -70,7 +92,9 @@ void fp8_gemm_cpu(const TensorView& a, const TensorView& b, float scale_a, float
   const uint8_t* B = b.ptr<uint8_t>();
   for (int64_t i = 0; i < n * k; ++i) bf[size_t(i)] = fp8_to_float(B[i], b43);
   const uint8_t* A = a.ptr<uint8_t>();
-  const float s = scale_a * scale_b;
+  const bool vec = scale_a.numel() != 1;  // per row: out[i, j] = acc * sa[i] * sb[j]
+  const float* sa = scale_a.ptr<float>();
+  const float* sb = scale_b.ptr<float>();
   parallel_for(m, 16, [&](int64_t i0, int64_t i1) {
     std::vector<float> row(static_cast<size_t>(k));
     for (int64_t i = i0; i < i1; ++i) {
@@ -79,7 +103,7 @@ void fp8_gemm_cpu(const TensorView& a, const TensorView& b, float scale_a, float
         const float* w = bf.data() + jj * k;
         float acc = 0.0f;
         for (int64_t kk = 0; kk < k; ++kk) acc += row[size_t(kk)] * w[kk];
-        float v = acc * s;
+        float v = acc * (vec ? sa[i] * sb[jj] : sa[0] * sb[0]);
         const int64_t off = i * out.stride[0] + jj;
         if (out.dtype == DType::kFloat32) {
           float* y = out.ptr<float>();

@@ -6,13 +6,16 @@
 // stores 16 rows of one column (16 bytes) too. amax: each block reduces its tiles, one atomicMax a
 // block on the state's scratch word (a maximum is exact, so the result does not depend on the order),
 // and the last block to finish (a counter in the state) moves the history and resets the scratch.
+// Per row: an amax pass of row and column maxima (atomicMax into the caller's zeroed scratch), then a
+// cast that scales q by rows and qt by columns (two conversions a value).
 // Dynamic scaling runs an amax-only pass of the same shape first; delayed scaling reads the history
 // at the start of every block and records this tensor's amax at the end of the same pass (every
 // block has read the history before it counts itself done, so the last block may rewrite it).
 //
-// GEMM: cuBLASLt, fp8 "TN": out^T [N, M] (column-major, leading dimension = out's row stride) =
-// b^T [N, Kp] x a [Kp, M], with b as cuBLAS's A and a as its B; scales as device pointers (A scale =
-// scale_b, B scale = scale_a), optional bf16 bias epilogue, fast accumulation as asked. The
+// GEMM: cuBLASLt, fp8 "TN": out^T [N, M] (column-major, leading dimension N) = b^T [N, Kp] x
+// a [Kp, M], with b as cuBLAS's A and a as its B; scales as device pointers (A scale = scale_b, B
+// scale = scale_a; per row: cuBLASLt's outer-vector mode), optional bf16 bias epilogue, fast
+// accumulation as asked. The
 // heuristic's algorithm is cached per problem (bounded), descriptors live on the stack per call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -46,13 +49,15 @@ struct Job {
   int64_t ldq;
   uint8_t* qt;  // [pad(cols), ldqt = pad(rows)] or null
   int64_t ldqt;
-  float* scale_inv;
-  float* state;
+  float* scale_inv;    // [1], or per row [prows]
+  float* scale_inv_t;  // per row with qt: [pcols]
+  float* state;        // per tensor
+  float* scratch;      // per row: row maxima [prows], then column maxima [pcols] (as bits)
   int h;
   int64_t tiles_c, tiles;  // tile grid: tiles_c along the columns, tiles in all
   int64_t prows, pcols;  // pad(rows), pad(cols): the rows of q and of qt
   int first_block, blocks;
-  bool e4m3, dynamic, vec;
+  bool e4m3, dynamic, vec, per_row;
 };
 
 struct Jobs {
@@ -93,6 +98,44 @@ __device__ __forceinline__ void load16(const Job& jb, int64_t i, int64_t k, floa
 template <class S>
 __device__ __forceinline__ void load_tile(const Job& jb, int64_t t, int tr, int tc, float (&v)[16]) {
   load16<S>(jb, (t / jb.tiles_c) * kTile + tr, (t % jb.tiles_c) * kTile + tc, v);
+}
+
+// 16 values times their scales (sc(e)), rounded to fp8 (nearest even, saturating), as 4 words.
+template <class Scale>
+__device__ __forceinline__ void pack_fp8(const float (&v)[16], Scale sc, __nv_fp8_interpretation_t fmt,
+                                         uint32_t (&w)[4]) {
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(v[4 * p], sc(4 * p)), __fmul_rn(v[4 * p + 1], sc(4 * p + 1))), __NV_SATFINITE, fmt);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(v[4 * p + 2], sc(4 * p + 2)), __fmul_rn(v[4 * p + 3], sc(4 * p + 3))), __NV_SATFINITE,
+        fmt);
+    w[p] = uint32_t(lo) | (uint32_t(hi) << 16);
+  }
+}
+
+// qt's part of a tile: the block's words through shared memory, so that a thread stores 16 rows of
+// one column of x (a row of qt) as 16 bytes. Called by the whole block.
+__device__ __forceinline__ void store_transposed(const Job& jb, uint8_t* tile, const uint32_t (&w)[4], int64_t r0,
+                                                 int64_t c0, int tr, int tc) {
+  __syncthreads();  // the previous tile's reads are done
+  uint32_t* trow = reinterpret_cast<uint32_t*>(tile + tr * kTileStride + tc);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) trow[p] = w[p];
+  __syncthreads();
+  // thread: qt row c0 + tr (a column of x), x rows r0 + tc .. r0 + tc + 15
+  const int64_t qrow = c0 + tr, qcol = r0 + tc;
+  if (qrow < jb.pcols && qcol < jb.ldqt) {
+    uint32_t o[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const uint8_t* col = tile + (tc + 4 * p) * kTileStride + tr;
+      o[p] = uint32_t(col[0]) | uint32_t(col[kTileStride]) << 8 | uint32_t(col[2 * kTileStride]) << 16 |
+             uint32_t(col[3 * kTileStride]) << 24;
+    }
+    *reinterpret_cast<uint4*>(jb.qt + qrow * jb.ldqt + qcol) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
 }
 
 __device__ __forceinline__ float block_max(float v, float* red) {
@@ -162,14 +205,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constan
     const int64_t r0 = (t / jb.tiles_c) * kTile, c0 = (t % jb.tiles_c) * kTile;
     load_tile<S>(jb, t, tr, tc, v);
     uint32_t w[4];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-          make_float2(__fmul_rn(v[4 * p], scale), __fmul_rn(v[4 * p + 1], scale)), __NV_SATFINITE, fmt);
-      const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-          make_float2(__fmul_rn(v[4 * p + 2], scale), __fmul_rn(v[4 * p + 3], scale)), __NV_SATFINITE, fmt);
-      w[p] = uint32_t(lo) | (uint32_t(hi) << 16);
-    }
+    pack_fp8(v, [&](int) { return scale; }, fmt, w);
     if (!jb.dynamic) {
 #pragma unroll
       for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fabsf(v[e]));
@@ -177,29 +213,96 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constan
     const int64_t i = r0 + tr, k = c0 + tc;
     if (jb.q && i < jb.prows && k < jb.ldq)
       *reinterpret_cast<uint4*>(jb.q + i * jb.ldq + k) = make_uint4(w[0], w[1], w[2], w[3]);
-    if (jb.qt) {  // the same for the whole block
-      __syncthreads();  // the previous tile's reads are done
-      uint32_t* trow = reinterpret_cast<uint32_t*>(tile + tr * kTileStride + tc);
-#pragma unroll
-      for (int p = 0; p < 4; ++p) trow[p] = w[p];
-      __syncthreads();
-      // thread: qt row c0 + tr (a column of x), x rows r0 + tc .. r0 + tc + 15
-      const int64_t qrow = c0 + tr, qcol = r0 + tc;
-      if (qrow < jb.pcols && qcol < jb.ldqt) {
-        uint32_t o[4];
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          const uint8_t* col = tile + (tc + 4 * p) * kTileStride + tr;
-          o[p] = uint32_t(col[0]) | uint32_t(col[kTileStride]) << 8 | uint32_t(col[2 * kTileStride]) << 16 |
-                 uint32_t(col[3 * kTileStride]) << 24;
-        }
-        *reinterpret_cast<uint4*>(jb.qt + qrow * jb.ldqt + qcol) = make_uint4(o[0], o[1], o[2], o[3]);
-      }
-    }
+    if (jb.qt) store_transposed(jb, tile, w, r0, c0, tr, tc);  // the same for the whole block
   }
   if (!jb.dynamic) {
     amax = block_max(amax, red);
     if (threadIdx.x == 0) finish_amax(jb, amax);
+  }
+}
+
+// ---- per row ---------------------------------------------------------------------------------
+
+// Row and column maxima of x into the scratch (atomicMax on the bits: exact, order-free): a row's
+// four threads combine theirs by shuffles, a column's 64 rows by shuffles within the warp and the
+// block's warps through shared memory.
+template <class S>
+__global__ void __launch_bounds__(kThreads) fp8_amax_rows_kernel(const __grid_constant__ Jobs jobs) {
+  __shared__ float cols[kThreads / 32][kTile];
+  const Job& jb = my_job(jobs);
+  unsigned* row_amax = reinterpret_cast<unsigned*>(jb.scratch);
+  unsigned* col_amax = row_amax + jb.prows;
+  const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float v[16];
+  for (int64_t t = int(blockIdx.x) - jb.first_block; t < jb.tiles; t += jb.blocks) {
+    const int64_t r0 = (t / jb.tiles_c) * kTile, c0 = (t % jb.tiles_c) * kTile;
+    load_tile<S>(jb, t, tr, tc, v);
+    float rm = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      v[e] = fabsf(v[e]);
+      rm = fmaxf(rm, v[e]);  // fmaxf drops NaN
+    }
+    rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 1));
+    rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 2));
+    if (tc == 0 && r0 + tr < jb.rows && rm > 0.0f) atomicMax(row_amax + r0 + tr, __float_as_uint(rm));
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {  // over the warp's 8 rows (lanes 4 apart share columns)
+      v[e] = fmaxf(v[e], __shfl_xor_sync(0xffffffffu, v[e], 4));
+      v[e] = fmaxf(v[e], __shfl_xor_sync(0xffffffffu, v[e], 8));
+      v[e] = fmaxf(v[e], __shfl_xor_sync(0xffffffffu, v[e], 16));
+    }
+    __syncthreads();  // the previous tile's column maxima are read
+    if (lane < 4) {
+#pragma unroll
+      for (int e = 0; e < 16; ++e) cols[warp][tc + e] = v[e];
+    }
+    __syncthreads();
+    if (threadIdx.x < kTile) {
+      float cm = 0.0f;
+      for (int w = 0; w < kThreads / 32; ++w) cm = fmaxf(cm, cols[w][threadIdx.x]);
+      if (c0 + threadIdx.x < jb.cols && cm > 0.0f) atomicMax(col_amax + c0 + threadIdx.x, __float_as_uint(cm));
+    }
+  }
+}
+
+// The cast with a scale a row of q (its row's amax) and a row of qt (its column's amax); the tiles
+// at column 0 / row 0 write the inverse scales.
+template <class S>
+__global__ void __launch_bounds__(kThreads) fp8_cast_rows_kernel(const __grid_constant__ Jobs jobs) {
+  __shared__ __align__(16) uint8_t tile[kTile * kTileStride];
+  const Job& jb = my_job(jobs);
+  const unsigned* row_amax = reinterpret_cast<const unsigned*>(jb.scratch);
+  const unsigned* col_amax = row_amax + jb.prows;
+  const float fmax = jb.e4m3 ? 448.0f : 57344.0f;
+  auto scale_of = [&](unsigned bits) { return __fdiv_rn(fmax, fmaxf(__uint_as_float(bits), kFp8AmaxEps)); };
+  const __nv_fp8_interpretation_t fmt = jb.e4m3 ? __NV_E4M3 : __NV_E5M2;
+  const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16;
+  float v[16];
+  for (int64_t t = int(blockIdx.x) - jb.first_block; t < jb.tiles; t += jb.blocks) {
+    const int64_t r0 = (t / jb.tiles_c) * kTile, c0 = (t % jb.tiles_c) * kTile;
+    load_tile<S>(jb, t, tr, tc, v);
+    const int64_t i = r0 + tr, k = c0 + tc;
+    if (jb.q) {
+      const float sr = i < jb.prows ? scale_of(row_amax[i]) : 1.0f;
+      uint32_t w[4];
+      pack_fp8(v, [&](int) { return sr; }, fmt, w);
+      if (i < jb.prows && k < jb.ldq) {
+        *reinterpret_cast<uint4*>(jb.q + i * jb.ldq + k) = make_uint4(w[0], w[1], w[2], w[3]);
+        if (c0 == 0 && tc == 0) jb.scale_inv[i] = __fdiv_rn(1.0f, sr);
+      }
+    }
+    if (jb.qt) {
+      float sc[16];
+#pragma unroll
+      for (int e = 0; e < 16; ++e) sc[e] = k + e < jb.pcols ? scale_of(col_amax[k + e]) : 1.0f;
+      uint32_t w[4];
+      pack_fp8(v, [&](int e) { return sc[e]; }, fmt, w);
+      if (r0 == 0 && tr == 0)
+        for (int e = 0; e < 16; ++e)
+          if (k + e < jb.pcols) jb.scale_inv_t[k + e] = __fdiv_rn(1.0f, sc[e]);
+      store_transposed(jb, tile, w, r0, c0, tr, tc);
+    }
   }
 }
 
@@ -218,8 +321,11 @@ Job make_job(const Fp8QuantJob& in, bool for_cast) {
   j.prows = fp8_padded(j.rows);
   j.pcols = fp8_padded(j.cols);
   j.scale_inv = in.scale_inv.ptr<float>();
-  j.state = in.state.ptr<float>();
-  j.h = int(in.state.shape[0] - 2);
+  j.per_row = in.per_row;
+  j.scale_inv_t = in.per_row && in.qt.defined() ? in.scale_inv_t.ptr<float>() : nullptr;
+  j.scratch = in.per_row ? in.scratch.ptr<float>() : nullptr;
+  j.state = in.per_row ? nullptr : in.state.ptr<float>();
+  j.h = in.per_row ? 0 : int(in.state.shape[0] - 2);
   j.e4m3 = (in.q.defined() ? in.q.dtype : in.qt.dtype) == DType::kFloat8E4M3;
   j.dynamic = in.dynamic;
   const int64_t v = 16 / int64_t(dtype_size(in.src.dtype));
@@ -264,9 +370,16 @@ void launch(const Fp8QuantJob* in, const int* idx, int n, bool amax_pass, cudaSt
   const unsigned blocks = assign_blocks(jobs);
   dispatch_src(in[idx[0]].src.dtype, [&](auto tag) {
     using S = decltype(tag);
-    if (amax_pass) {
+    const bool rows = in[idx[0]].per_row;  // the same for the jobs of one launch
+    if (amax_pass && rows) {
+      fp8_amax_rows_kernel<S><<<blocks, kThreads, 0, stream>>>(jobs);
+      MMFUSE_CUDA_CHECK_LAUNCH("fp8_amax_rows_kernel");
+    } else if (amax_pass) {
       fp8_amax_kernel<S><<<blocks, kThreads, 0, stream>>>(jobs);
       MMFUSE_CUDA_CHECK_LAUNCH("fp8_amax_kernel");
+    } else if (rows) {
+      fp8_cast_rows_kernel<S><<<blocks, kThreads, 0, stream>>>(jobs);
+      MMFUSE_CUDA_CHECK_LAUNCH("fp8_cast_rows_kernel");
     } else {
       fp8_cast_kernel<S><<<blocks, kThreads, 0, stream>>>(jobs);
       MMFUSE_CUDA_CHECK_LAUNCH("fp8_cast_kernel");
@@ -280,11 +393,11 @@ struct GemmKey {
   int device;
   DType ta, tb, tout;
   int64_t m, n, k, ldo;
-  bool bias, accumulate, fast;
+  bool bias, accumulate, fast, vec;
   uint32_t align_a, align_b, align_out;
   size_t ws;
   auto tie() const {
-    return std::make_tuple(device, int(ta), int(tb), int(tout), m, n, k, ldo, bias, accumulate, fast, align_a,
+    return std::make_tuple(device, int(ta), int(tb), int(tout), m, n, k, ldo, bias, accumulate, fast, vec, align_a,
                            align_b, align_out, ws);
   }
   bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
@@ -315,6 +428,11 @@ void describe(const GemmKey& key, const void* scale_a, const void* scale_b, cons
   // cuBLAS's A is our b, its B our a
   set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, sizeof(scale_b));
   set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof(scale_a));
+  if (key.vec) {  // per row: one scale per row of out^T's rows (b's) and of its columns (a's rows)
+    const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof(mode));
+    set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof(mode));
+  }
   const int8_t fast = key.fast ? 1 : 0;
   set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast));
   if (key.bias) {
@@ -345,9 +463,9 @@ constexpr size_t kMaxPlans = 4096;  // bounded: past this many problems the cach
 
 void fp8_quantize_cuda(Fp8QuantJob* jobs, int n, cudaStream_t stream) {
   // the amax pass (a delayed job's blocks return at once unless its history is fresh), then the cast;
-  // both tensors in one launch each (a dtype mix launches separately)
+  // both tensors in one launch each (a mix of dtypes or of recipes launches separately)
   const int all[2] = {0, 1};
-  const bool same = n == 1 || jobs[0].src.dtype == jobs[1].src.dtype;
+  const bool same = n == 1 || (jobs[0].src.dtype == jobs[1].src.dtype && jobs[0].per_row == jobs[1].per_row);
   if (same) {
     launch(jobs, all, n, true, stream);
   } else {
@@ -386,6 +504,7 @@ void fp8_gemm_cuda(const TensorView& a, const TensorView& b, const TensorView& s
   key.bias = bias.defined();
   key.accumulate = o.accumulate;
   key.fast = o.fast_accum;
+  key.vec = scale_a.numel() != 1;
   key.align_a = cuda::alignment(a.data);
   key.align_b = cuda::alignment(b.data);
   key.align_out = cuda::alignment(out.data);

@@ -176,11 +176,104 @@ TEST(Fp8QuantizeCpu, ZerosGiveZerosAndFiniteScale) {
   for (uint8_t q : out.q) EXPECT_EQ(q, 0);
 }
 
+struct RowQuant {
+  std::vector<uint8_t> q, qt;
+  std::vector<float> si, si_t;
+};
+
+// Per-row quantize of host x [r, c] (both copies) on the CPU or through the GPU.
+RowQuant quantize_rows(const std::vector<bf16>& x, int64_t r, int64_t c, bool cuda) {
+  const int64_t rp = fp8_padded(r), cp = fp8_padded(c);
+  RowQuant out;
+  out.q.assign(size_t(rp * cp), 0xAB);
+  out.qt.assign(size_t(cp * rp), 0xAB);
+  out.si.assign(size_t(rp), NAN);
+  out.si_t.assign(size_t(cp), NAN);
+  std::vector<float> scratch(size_t(rp + cp), 0.0f);
+  Fp8QuantJob j;
+  j.src = host_view(const_cast<bf16*>(x.data()), DType::kBFloat16, {r, c});
+  j.q = host_view(out.q.data(), DType::kFloat8E4M3, {rp, cp});
+  j.qt = host_view(out.qt.data(), DType::kFloat8E4M3, {cp, rp});
+  j.scale_inv = host_view(out.si.data(), DType::kFloat32, {rp});
+  j.scale_inv_t = host_view(out.si_t.data(), DType::kFloat32, {cp});
+  j.scratch = host_view(scratch.data(), DType::kFloat32, {rp + cp});
+  j.per_row = true;
+  if (!cuda) {
+    fp8_quantize(&j, 1, nullptr);
+    return out;
+  }
+#ifdef MMFUSE_WITH_CUDA
+  DeviceBuffer<bf16> dx(x.empty() ? std::vector<bf16>(1) : x);
+  DeviceBuffer<uint8_t> dq(std::max<size_t>(1, out.q.size())), dqt(std::max<size_t>(1, out.qt.size()));
+  DeviceBuffer<float> dsi(std::max<size_t>(1, out.si.size())), dsit(std::max<size_t>(1, out.si_t.size()));
+  DeviceBuffer<float> dscr(std::vector<float>(size_t(rp + cp) + 1, 0.0f));
+  dq.poison();
+  dqt.poison();
+  dsi.poison();
+  dsit.poison();
+  Fp8QuantJob g = j;
+  g.src.data = dx.ptr;
+  g.q.data = dq.ptr;
+  g.qt.data = dqt.ptr;
+  g.scale_inv.data = dsi.ptr;
+  g.scale_inv_t.data = dsit.ptr;
+  g.scratch.data = dscr.ptr;
+  for (TensorView* v : {&g.src, &g.q, &g.qt, &g.scale_inv, &g.scale_inv_t, &g.scratch})
+    v->device = Device{DeviceType::kCUDA, 0};
+  cudaStream_t st = nullptr;
+  EXPECT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  fp8_quantize(&g, 1, st);
+  EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+  cudaStreamDestroy(st);
+  if (!out.q.empty()) out.q = dq.download();
+  if (!out.qt.empty()) out.qt = dqt.download();
+  if (!out.si.empty()) out.si = dsi.download();
+  if (!out.si_t.empty()) out.si_t = dsit.download();
+#else
+  ADD_FAILURE() << "no CUDA in this build";
+#endif
+  return out;
+}
+
+TEST(Fp8QuantizeCpu, PerRowScalesEachRowAndColumn) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t r = 37, c = 21;
+  std::vector<bf16> x = random_vec<bf16>(size_t(r * c), rng, -1.0, 1.0);
+  for (int64_t i = 0; i < r; ++i)  // rows of very different ranges
+    for (int64_t k = 0; k < c; ++k) x[size_t(i * c + k)] = to_bf16(to_float(x[size_t(i * c + k)]) * std::ldexp(1.0f, int(i % 9) - 4));
+  for (int64_t k = 0; k < c; ++k) x[size_t(5 * c + k)] = to_bf16(0.0f);  // a zero row
+  const RowQuant out = quantize_rows(x, r, c, false);
+  const int64_t rp = fp8_padded(r), cp = fp8_padded(c);
+  std::vector<float> ra(size_t(rp), 0.0f), ca(size_t(cp), 0.0f);
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t k = 0; k < c; ++k) {
+      ra[size_t(i)] = std::max(ra[size_t(i)], std::fabs(to_float(x[size_t(i * c + k)])));
+      ca[size_t(k)] = std::max(ca[size_t(k)], std::fabs(to_float(x[size_t(i * c + k)])));
+    }
+  for (int64_t i = 0; i < rp; ++i) {
+    const float s = 448.0f / std::max(ra[size_t(i)], kFp8AmaxEps);
+    ASSERT_EQ(out.si[size_t(i)], 1.0f / s) << "row " << i;
+    for (int64_t k = 0; k < cp; ++k) {
+      const float v = i < r && k < c ? to_float(x[size_t(i * c + k)]) : 0.0f;
+      ASSERT_EQ(out.q[size_t(i * cp + k)], float_to_fp8(v * s, true)) << i << "," << k;
+      const float sc = 448.0f / std::max(ca[size_t(k)], kFp8AmaxEps);
+      ASSERT_EQ(out.qt[size_t(k * rp + i)], float_to_fp8(v * sc, true)) << "qt " << k << "," << i;
+      if (i == 0) ASSERT_EQ(out.si_t[size_t(k)], 1.0f / sc) << "column " << k;
+    }
+    if (i < r && ra[size_t(i)] > 0) {  // each row's largest value lands on +-448
+      uint8_t top = 0;
+      for (int64_t k = 0; k < c; ++k) top = std::max<uint8_t>(top, out.q[size_t(i * cp + k)] & 0x7f);
+      ASSERT_EQ(top, 0x7e) << "row " << i;
+    }
+  }
+}
+
 // A GEMM problem: a [m, k], b [n, k] fp8 (random codes of small values), checked against float64.
 struct GemmCase {
   int64_t m, n, k;
   DType ta, tb, tout;
   bool bias, accumulate;
+  bool per_row = false;  // vector scales: one per row of a and of b
 };
 
 std::vector<uint8_t> random_codes(size_t count, bool e4m3, std::mt19937_64& rng) {
@@ -199,7 +292,13 @@ void run_gemm(const GemmCase& g, bool cuda) {
   std::vector<uint8_t> a = random_codes(size_t(g.m * g.k), a43, rng), b = random_codes(size_t(g.n * g.k), b43, rng);
   std::vector<bf16> bias = random_vec<bf16>(size_t(g.n), rng);
   const int64_t ldo = g.n;
-  const float sa = 0.375f, sb = 1.0f / 1024.0f;
+  // scales: scalars, or per row powers of two times a constant
+  std::vector<float> sav_h(g.per_row ? size_t(std::max<int64_t>(1, g.m)) : 1, 0.375f);
+  std::vector<float> sbv_h(g.per_row ? size_t(g.n) : 1, 1.0f / 1024.0f);
+  for (size_t i = 0; g.per_row && i < sav_h.size(); ++i) sav_h[i] = std::ldexp(0.375f, int(i % 7) - 3);
+  for (size_t j = 0; g.per_row && j < sbv_h.size(); ++j) sbv_h[j] = std::ldexp(1.0f / 1024.0f, int(j % 5) - 2);
+  auto sa_at = [&](int64_t i) { return double(sav_h[g.per_row ? size_t(i) : 0]); };
+  auto sb_at = [&](int64_t j) { return double(sbv_h[g.per_row ? size_t(j) : 0]); };
   std::vector<float> prior = random_vec<float>(size_t(g.m * ldo), rng);
   std::vector<float> out32 = prior;
   std::vector<bf16> out16(size_t(g.m * ldo));
@@ -212,8 +311,8 @@ void run_gemm(const GemmCase& g, bool cuda) {
   o.fast_accum = !g.accumulate;
   const bool f32 = g.tout == DType::kFloat32;
   TensorView av = host_view(a.data(), g.ta, {g.m, g.k}), bv = host_view(b.data(), g.tb, {g.n, g.k});
-  float hs[2] = {sa, sb};
-  TensorView sav = host_view(&hs[0], DType::kFloat32, {1}), sbv = host_view(&hs[1], DType::kFloat32, {1});
+  TensorView sav = host_view(sav_h.data(), DType::kFloat32, {int64_t(sav_h.size())});
+  TensorView sbv = host_view(sbv_h.data(), DType::kFloat32, {int64_t(sbv_h.size())});
   TensorView biasv = g.bias ? host_view(bias.data(), DType::kBFloat16, {g.n}) : TensorView{};
   TensorView ov = host_view(f32 ? static_cast<void*>(out32.data()) : static_cast<void*>(out16.data()), g.tout,
                             {g.m, g.n}, {ldo, 1});
@@ -224,13 +323,13 @@ void run_gemm(const GemmCase& g, bool cuda) {
 #ifdef MMFUSE_WITH_CUDA
     DeviceBuffer<uint8_t> da(a), db(b), ws{static_cast<size_t>(fp8_gemm_workspace_bytes())};
     DeviceBuffer<bf16> dbias(bias), do16(out16);
-    DeviceBuffer<float> dsc(std::vector<float>{sa, sb}), do32(out32);
+    DeviceBuffer<float> dsa(sav_h), dsb(sbv_h), do32(out32);
     auto dv = [](TensorView v, void* p) {
       v.data = p;
       v.device = Device{DeviceType::kCUDA, 0};
       return v;
     };
-    TensorView cav = dv(av, da.ptr), cbv = dv(bv, db.ptr), csa = dv(sav, dsc.ptr), csb = dv(sbv, dsc.ptr + 1);
+    TensorView cav = dv(av, da.ptr), cbv = dv(bv, db.ptr), csa = dv(sav, dsa.ptr), csb = dv(sbv, dsb.ptr);
     TensorView cbias = g.bias ? dv(biasv, dbias.ptr) : TensorView{};
     TensorView cov = dv(ov, f32 ? static_cast<void*>(do32.ptr) : static_cast<void*>(do16.ptr));
     TensorView cws = device_view(ws.ptr, DType::kUInt8, {int64_t(ws.n)});
@@ -253,8 +352,8 @@ void run_gemm(const GemmCase& g, bool cuda) {
         ref += p;
         mag += std::fabs(p);
       }
-      ref *= double(sa) * sb;
-      mag *= double(sa) * sb;
+      ref *= sa_at(i) * sb_at(j);
+      mag *= sa_at(i) * sb_at(j);
       if (g.bias) ref += double(to_float(bias[size_t(j)]));
       if (g.accumulate) ref += double(prior[size_t(i * ldo + j)]);
       const double got = f32 ? double(out32[size_t(i * ldo + j)]) : double(to_float(out16[size_t(i * ldo + j)]));
@@ -269,7 +368,8 @@ void run_gemm(const GemmCase& g, bool cuda) {
 
 std::vector<GemmCase> gemm_cases() {
   const DType e4 = DType::kFloat8E4M3, e5 = DType::kFloat8E5M2, b16 = DType::kBFloat16, f32 = DType::kFloat32;
-  return {{1, 16, 16, e4, e4, b16, false, false},  {7, 48, 48, e4, e4, b16, true, false},
+  return {{33, 48, 64, e4, e4, b16, true, false, true}, {20, 32, 48, e5, e4, f32, false, true, true},
+          {1, 16, 16, e4, e4, b16, false, false},  {7, 48, 48, e4, e4, b16, true, false},
           {64, 48, 128, e5, e4, b16, false, false}, {19, 16, 32, e4, e5, f32, false, false},
           {40, 32, 64, e5, e4, f32, false, true},  {0, 16, 16, e4, e4, b16, false, false},
           {5, 16, 0, e4, e4, f32, false, true},     {130, 80, 272, e4, e4, b16, true, false}};
@@ -360,6 +460,20 @@ TEST(Fp8QuantizeCuda, BitwiseEqualToCpu) {
   for (bool dynamic : {true, false})  // a fresh state: delayed scaling runs the amax pass first
     for (auto [r, c] : {std::pair<int64_t, int64_t>{5, 7}, {300, 136}, {0, 16}})
       check_cuda_quantize<bf16>(r, c, c, DType::kFloat8E4M3, dynamic, true, true, true);
+}
+
+TEST(Fp8QuantizeCuda, PerRowBitwiseEqualToCpu) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  for (auto [r, c] : {std::pair<int64_t, int64_t>{1, 1}, {37, 21}, {300, 136}, {1000, 640}, {0, 16}, {9, 0}}) {
+    SCOPED_TRACE(testing::Message() << "r=" << r << " c=" << c);
+    std::mt19937_64 rng(test_seed() + uint64_t(r * 31 + c));
+    std::vector<bf16> x = random_vec<bf16>(size_t(r * c), rng, -20.0, 20.0);
+    const RowQuant cpu = quantize_rows(x, r, c, false), gpu = quantize_rows(x, r, c, true);
+    EXPECT_EQ(cpu.q, gpu.q);
+    EXPECT_EQ(cpu.qt, gpu.qt);
+    EXPECT_EQ(cpu.si, gpu.si);
+    EXPECT_EQ(cpu.si_t, gpu.si_t);
+  }
 }
 
 TEST(Fp8QuantizeCuda, TwoJobsInOneLaunchMatchTwoCalls) {

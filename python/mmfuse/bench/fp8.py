@@ -5,7 +5,8 @@ pass's effective bandwidth against the copy ceiling, all in one run.
 
 Rows: ``mmfuse`` = ``Fp8Linear(fallback=False)`` with dynamic scaling and w quantized on every call;
 ``mmfuse cached-w`` = the micro-batch case (w's fp8 copies reused, x scaled by its delayed history);
-``auto`` = ``Fp8Linear`` as shipped (bf16 below the measured :func:`mmfuse.fp8.fp8_pays` threshold).
+``auto`` = ``Fp8Linear`` as shipped (bf16 below the measured :func:`mmfuse.fp8.fp8_pays` threshold);
+``row`` = the per-row recipe.
 ``share`` = time / bf16 time (issue 6's targets for fwd+bwd: <= 0.58, 0.62, 0.66 on the three big
 shapes, <= 1.00 at 2048x1024x1024 and below). ``launches`` = kernels of one forward (target <= 3)."""
 
@@ -83,7 +84,7 @@ def run(device: str, quick: bool = False) -> dict:
     print(f"\n## fp8 linear ({'bf16 in/out, fp32 accumulate' if on_gpu else 'CPU emulation'}; M x K x N; "
           "share = time / bf16 F.linear time)")
     hdr = (f"| {'shape':<18} | {'pass':<7} | {'bf16 us':>9} | {'mmfuse us':>9} | {'share':>5} | {'cached-w':>8} | "
-           f"{'auto':>5} | {'torch fp8 eager':>15} | {'compiled':>8} | {'launches':>8} | {'rel err':>7} |")
+           f"{'auto':>5} | {'row':>5} | {'torch fp8 eager':>15} | {'compiled':>8} | {'launches':>8} | {'rel err':>7} |")
     print(hdr)
     print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
     for (m, k, n) in shapes:
@@ -94,8 +95,9 @@ def run(device: str, quick: bool = False) -> dict:
         lin = Fp8Linear(k, n, device=device, dtype=torch.bfloat16, fallback=False)
         auto = Fp8Linear(k, n, device=device, dtype=torch.bfloat16)
         cached = Fp8Linear(k, n, device=device, dtype=torch.bfloat16, fallback=False, scaling="delayed")
+        rowm = Fp8Linear(k, n, device=device, dtype=torch.bfloat16, fallback=False, recipe="row")
         with torch.no_grad():
-            for mod in (lin, auto, cached):
+            for mod in (lin, auto, cached, rowm):
                 mod.weight.copy_(w)
                 mod.bias.copy_(b)
         xg = x.detach().requires_grad_()
@@ -112,7 +114,8 @@ def run(device: str, quick: bool = False) -> dict:
 
         def fb(f):
             def step():
-                for p in (xg, lin.weight, lin.bias, auto.weight, auto.bias, cached.weight, cached.bias, w, b):
+                for p in (xg, lin.weight, lin.bias, auto.weight, auto.bias, cached.weight, cached.bias, rowm.weight,
+                          rowm.bias, w, b):
                     p.grad = None
                 f(xg).backward(gy)
             return step
@@ -123,25 +126,25 @@ def run(device: str, quick: bool = False) -> dict:
             if pas == "fwd":
                 # the training forward: w requires grad, so each op keeps what its backward needs
                 fns = dict(bf16=lambda: F.linear(x, wp, bp), ours=lambda: lin(x),
-                           cached=lambda: cached(x, is_first_microbatch=False), auto=lambda: auto(x),
+                           cached=lambda: cached(x, is_first_microbatch=False), auto=lambda: auto(x), row=lambda: rowm(x),
                            torch_eager=lambda: _TorchFp8.apply(x, wp, bp), torch_comp=lambda: compiled_fwd(x, wp, bp))
                 t = {k_: time_us(f, device, **it)[0] for k_, f in fns.items()} if on_gpu else \
                     {"bf16": time_us(fns["bf16"], device, **it)[0], "ours": time_us(fns["ours"], device, **it)[0]}
             else:
                 fns = dict(bf16=fb(lambda v: F.linear(v, wp, bp)), ours=fb(lin), cached=fb(lambda v: cached(v, False)),
-                           auto=fb(auto), torch_eager=fb(lambda v: _TorchFp8.apply(v, wp, bp)),
+                           auto=fb(auto), row=fb(rowm), torch_eager=fb(lambda v: _TorchFp8.apply(v, wp, bp)),
                            torch_comp=lambda: (setattr(xg, "grad", None), compiled_fb(xg, wp, bp, gy)))
                 t = {k_: time_us(f, device, **it)[0] for k_, f in fns.items()} if on_gpu else \
                     {"bf16": time_us(fns["bf16"], device, **it)[0], "ours": time_us(fns["ours"], device, **it)[0]}
             sh = {k_: v / t["bf16"] for k_, v in t.items()}
             row = dict(shape=shape, pass_=pas, bf16_us=t["bf16"], us=t["ours"], share=sh["ours"],
-                       cached_share=sh.get("cached"), auto_share=sh.get("auto"),
+                       cached_share=sh.get("cached"), auto_share=sh.get("auto"), row_share=sh.get("row"),
                        torch_eager_share=sh.get("torch_eager"), torch_compiled_share=sh.get("torch_comp"),
                        launches=launches if pas == "fwd" else None, rel_err=err, verified=verified)
             out["rows"].append(row)
             f2 = lambda v: f"{v:5.2f}" if v is not None else "    -"  # noqa: E731
             print(f"| {shape:<18} | {pas:<7} | {t['bf16']:9.1f} | {t['ours']:9.1f} | {sh['ours']:5.2f} | "
-                  f"{f2(sh.get('cached')):>8} | {f2(sh.get('auto'))} | {f2(sh.get('torch_eager')):>15} | "
+                  f"{f2(sh.get('cached')):>8} | {f2(sh.get('auto'))} | {f2(sh.get('row'))} | {f2(sh.get('torch_eager')):>15} | "
                   f"{f2(sh.get('torch_comp')):>8} | {(launches if pas == 'fwd' else ''):>8} | {err:7.4f} |")
         del x, w, b, gy, xg, lin, auto, cached, wp, bp
     if on_gpu:

@@ -21,6 +21,8 @@ class Fp8Linear(torch.nn.Linear):
             read of x, w and the gradient); ``"delayed"``: x and the output gradient scaled by the
             maximum of their last ``history`` amaxes (one pass each; values past that range saturate;
             a fresh state is exact on its first call). w is always scaled dynamically.
+        recipe: ``"tensor"`` (default) or ``"row"`` (a scale a row of every fp8 copy: more accurate;
+            needs ``scaling="dynamic"``).
         history: length of the amax history (delayed scaling).
         grad_dtype: ``torch.float8_e5m2`` (default) or ``torch.float8_e4m3fn`` for the output gradient.
         bf16_wgrad: compute dW in bf16 (from the bf16 x, saved instead of its fp8 copy).
@@ -39,15 +41,19 @@ class Fp8Linear(torch.nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 scaling: str = "dynamic", history: int = _fp8.DEFAULT_HISTORY,
+                 scaling: str = "dynamic", recipe: str = "tensor", history: int = _fp8.DEFAULT_HISTORY,
                  grad_dtype: torch.dtype = _fp8.E5M2, bf16_wgrad: bool = False, fallback: bool = True,
                  fuse_wgrad_accumulation: bool = False) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         if scaling not in ("dynamic", "delayed"):
             raise ValueError(f"Fp8Linear: scaling: expected 'dynamic' or 'delayed', got {scaling!r}")
+        if recipe not in ("tensor", "row") or (recipe == "row" and scaling != "dynamic"):
+            raise ValueError(f"Fp8Linear: recipe: expected 'tensor', or 'row' with scaling='dynamic', got recipe="
+                             f"{recipe!r}, scaling={scaling!r}")
         if grad_dtype not in (_fp8.E4M3, _fp8.E5M2):
             raise ValueError(f"Fp8Linear: grad_dtype: expected torch.float8_e5m2 or torch.float8_e4m3fn, got {grad_dtype}")
         self.scaling = scaling
+        self.recipe = recipe
         self.grad_dtype = grad_dtype
         self.bf16_wgrad = bf16_wgrad
         self.fallback = fallback
@@ -95,7 +101,8 @@ class Fp8Linear(torch.nn.Linear):
         keep = bool(is_first_microbatch)
         out = _fp8.fp8_linear(x.to(bf), w, b, x_state=self.x_state, w_state=self.w_state, g_state=self.g_state,
                               scaling=self.scaling, weight_fp8=cached, grad_dtype=self.grad_dtype,
-                              bf16_wgrad=self.bf16_wgrad, main_grad=main_grad, return_weight_fp8=keep)
+                              bf16_wgrad=self.bf16_wgrad, main_grad=main_grad, return_weight_fp8=keep,
+                              recipe=self.recipe)
         if keep:
             out, self._weight_fp8 = out
         elif is_first_microbatch is None:
@@ -103,7 +110,7 @@ class Fp8Linear(torch.nn.Linear):
         return out
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, scaling={self.scaling}, grad_dtype={self.grad_dtype}"
+        return f"{super().extra_repr()}, scaling={self.scaling}, recipe={self.recipe}, grad_dtype={self.grad_dtype}"
 
 
 def convert_to_fp8(model: torch.nn.Module, filter_fn: Optional[Callable[[str, torch.nn.Module], bool]] = None,
