@@ -8,15 +8,16 @@
 // and the last block to finish (a counter in the state) moves the history and resets the scratch.
 // Per row: an amax pass of row and column maxima (atomicMax into the caller's zeroed scratch), then a
 // cast that scales q by rows and qt by columns (two conversions a value).
-// Dynamic scaling runs an amax-only pass of the same shape first; delayed scaling reads the history
-// at the start of every block and records this tensor's amax at the end of the same pass (every
-// block has read the history before it counts itself done, so the last block may rewrite it).
+// Dynamic scaling runs an amax-only pass of the same shape first; delayed scaling launches that pass
+// too, but its blocks return at once unless the history is fresh (all zero), and the cast reads the
+// history at the start of every block and records this tensor's amax at the end of the same pass
+// (every block has read the history before it counts itself done, so the last block may rewrite it).
 //
 // GEMM: cuBLASLt, fp8 "TN": out^T [N, M] (column-major, leading dimension N) = b^T [N, Kp] x
 // a [Kp, M], with b as cuBLAS's A and a as its B; scales as device pointers (A scale = scale_b, B
 // scale = scale_a; per row: cuBLASLt's outer-vector mode), optional bf16 bias epilogue, fast
-// accumulation as asked. The
-// heuristic's algorithm is cached per problem (bounded), descriptors live on the stack per call.
+// accumulation as asked. The heuristic's algorithm is cached per problem (bounded), descriptors live
+// on the stack per call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
