@@ -72,12 +72,7 @@ void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, con
   }
   MMFUSE_CHECK(in != DType::kFloat64, op, ": a0: float64 is CPU only (for gradcheck)");
   check_workspace(op, ws, dev, dual_gemm_workspace_bytes());
-#ifdef MMFUSE_WITH_CUDA
-  detail::dual_gemm_cuda(a0, w0, out0, a1, w1, out1, o, ws, stream);
-#else
-  (void)stream;
-  no_cuda_backend(op);
-#endif
+  MMFUSE_CUDA_BACKEND(op, stream, detail::dual_gemm_cuda(a0, w0, out0, a1, w1, out1, o, ws, stream));
 }
 
 }  // namespace mmfuse

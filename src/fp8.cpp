@@ -100,12 +100,7 @@ void fp8_quantize(Fp8QuantJob* jobs, int num_jobs, cudaStream_t stream) {
     for (int i = 0; i < num_jobs; ++i) detail::fp8_quantize_cpu(jobs[i]);
     return;
   }
-#ifdef MMFUSE_WITH_CUDA
-  detail::fp8_quantize_cuda(jobs, num_jobs, stream);
-#else
-  (void)stream;
-  no_cuda_backend(op);
-#endif
+  MMFUSE_CUDA_BACKEND(op, stream, detail::fp8_quantize_cuda(jobs, num_jobs, stream));
 }
 
 int64_t fp8_gemm_workspace_bytes() { return int64_t(32) << 20; }  // cuBLAS's recommendation for Hopper
@@ -167,12 +162,7 @@ void fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& scale_
     return;
   }
   check_workspace(op, ws, dev, fp8_gemm_workspace_bytes());
-#ifdef MMFUSE_WITH_CUDA
-  detail::fp8_gemm_cuda(a, b, scale_a, scale_b, bias, out, o, ws, stream);
-#else
-  (void)stream;
-  no_cuda_backend(op);
-#endif
+  MMFUSE_CUDA_BACKEND(op, stream, detail::fp8_gemm_cuda(a, b, scale_a, scale_b, bias, out, o, ws, stream));
 }
 
 }  // namespace mmfuse

@@ -108,12 +108,7 @@ void moe_plan(const TensorView& idx, int64_t E, int64_t num_out, TensorView& map
   check_device(op, d2s, "dst_to_src", dev);
   check_workspace(op, ws, moe_plan_workspace_size(T, K, E), dev);
   if (dev.type == DeviceType::kCPU) return detail::moe_plan_cpu(idx, E, n, map, counts, d2s);
-#ifdef MMFUSE_WITH_CUDA
-  detail::moe_plan_cuda(idx, E, n, map, counts, d2s, ws, stream);
-#else
-  (void)stream;
-  no_cuda_backend(op);
-#endif
+  MMFUSE_CUDA_BACKEND(op, stream, detail::moe_plan_cuda(idx, E, n, map, counts, d2s, ws, stream));
 }
 
 void moe_permute(const TensorView& x, const TensorView& map, TensorView& out, cudaStream_t stream) {
@@ -125,12 +120,7 @@ void moe_permute(const TensorView& x, const TensorView& map, TensorView& out, cu
   check_rows(op, out, "out", -1, x.shape[1], dev);
   check_same_dtype(op, out, "out", x, "x");
   if (dev.type == DeviceType::kCPU) return detail::moe_permute_cpu(x, map, out);
-#ifdef MMFUSE_WITH_CUDA
-  detail::moe_permute_cuda(x, map, out, stream);
-#else
-  (void)stream;
-  no_cuda_backend(op);
-#endif
+  MMFUSE_CUDA_BACKEND(op, stream, detail::moe_permute_cuda(x, map, out, stream));
 }
 
 void moe_unpermute(const TensorView& y, const TensorView& map, const TensorView& probs, TensorView& out,
@@ -145,12 +135,7 @@ void moe_unpermute(const TensorView& y, const TensorView& map, const TensorView&
   check_rows(op, out, "out", T, H, dev);
   check_same_dtype(op, out, "out", y, "y");
   if (dev.type == DeviceType::kCPU) return detail::moe_unpermute_cpu(y, map, probs, out);
-#ifdef MMFUSE_WITH_CUDA
-  detail::moe_unpermute_cuda(y, map, probs, out, stream);
-#else
-  (void)stream;
-  no_cuda_backend(op);
-#endif
+  MMFUSE_CUDA_BACKEND(op, stream, detail::moe_unpermute_cuda(y, map, probs, out, stream));
 }
 
 void moe_unpermute_backward(const TensorView& dout, const TensorView& y, const TensorView& map,
@@ -170,12 +155,7 @@ void moe_unpermute_backward(const TensorView& dout, const TensorView& y, const T
   check_probs(op, dprobs, T, K, dev, "dprobs");
   check_workspace(op, ws, moe_unpermute_backward_workspace_size(N), dev);
   if (dev.type == DeviceType::kCPU) return detail::moe_unpermute_backward_cpu(dout, y, map, probs, dy, dprobs);
-#ifdef MMFUSE_WITH_CUDA
-  detail::moe_unpermute_backward_cuda(dout, y, map, probs, dy, dprobs, ws, stream);
-#else
-  (void)stream;
-  no_cuda_backend(op);
-#endif
+  MMFUSE_CUDA_BACKEND(op, stream, detail::moe_unpermute_backward_cuda(dout, y, map, probs, dy, dprobs, ws, stream));
 }
 
 }  // namespace mmfuse

@@ -79,12 +79,7 @@ void rope_index(const RopeIndexInputs& in, const RopeIndexParams& p, TensorView&
   if (dev.type == DeviceType::kCPU) return detail::rope_index_cpu(in, p, pos, deltas);
   const int64_t wss[1] = {rope_index_workspace_size(B)};
   check_output(op, ws, "workspace", DType::kInt32, 1, wss, dev);
-#ifdef MMFUSE_WITH_CUDA
-  detail::rope_index_cuda(in, p, pos, deltas, ws, stream);
-#else
-  (void)stream;
-  no_cuda_backend(op);
-#endif
+  MMFUSE_CUDA_BACKEND(op, stream, detail::rope_index_cuda(in, p, pos, deltas, ws, stream));
 }
 
 // ---- vision -------------------------------------------------------------------------------------
@@ -183,12 +178,7 @@ void vision_positions(const TensorView& g, int m, const VisionGridSizes& s, cons
     check_output(op, angles, "angles", DType::kFloat32, 2, as, dev);
   }
   if (dev.type == DeviceType::kCPU) return detail::vision_positions_cpu(g, m, inv_freq, positions, angles);
-#ifdef MMFUSE_WITH_CUDA
-  detail::vision_positions_cuda(g, m, s, inv_freq, positions, angles, ws, stream);
-#else
-  (void)stream;
-  no_cuda_backend(op);
-#endif
+  MMFUSE_CUDA_BACKEND(op, stream, detail::vision_positions_cuda(g, m, s, inv_freq, positions, angles, ws, stream));
 }
 
 void window_index(const TensorView& g, int m, int wside, const VisionGridSizes& s, TensorView& idx, TensorView& rev,
@@ -203,12 +193,7 @@ void window_index(const TensorView& g, int m, int wside, const VisionGridSizes& 
   check_output(op, cu, "cu_window_seqlens", DType::kInt32, 1, wsz, dev);
   if (cus.defined()) check_output(op, cus, "cu_seqlens", DType::kInt32, 1, fs, dev);
   if (dev.type == DeviceType::kCPU) return detail::window_index_cpu(g, m, wside, idx, rev, cu, cus);
-#ifdef MMFUSE_WITH_CUDA
-  detail::window_index_cuda(g, m, wside, s, idx, rev, cu, cus, ws, stream);
-#else
-  (void)stream;
-  no_cuda_backend(op);
-#endif
+  MMFUSE_CUDA_BACKEND(op, stream, detail::window_index_cuda(g, m, wside, s, idx, rev, cu, cus, ws, stream));
 }
 
 }  // namespace mmfuse

@@ -266,11 +266,8 @@ void mrope(const TensorView& q_in, const TensorView& k_in, const RopeAngles& a_i
   }
 
   if (B * L == 0 || q.shape[2] + k.shape[2] == 0) return;
-  if (dev.type == DeviceType::kCPU) {
-    detail::mrope_cpu(q, k, a, p, q_out, k_out);
-  } else {
-    detail::mrope_cuda(q, k, a, p, q_out, k_out, stream);
-  }
+  if (dev.type == DeviceType::kCPU) return detail::mrope_cpu(q, k, a, p, q_out, k_out);
+  MMFUSE_CUDA_BACKEND(op, stream, detail::mrope_cuda(q, k, a, p, q_out, k_out, stream));
 }
 
 void vision_rope(const TensorView& q, const TensorView& k, const TensorView& freqs, bool backward,
@@ -286,12 +283,5 @@ void vision_rope(const TensorView& q, const TensorView& k, const TensorView& fre
   p.backward = backward;
   mrope(q, k, a, p, q_out, k_out, stream);
 }
-
-#ifndef MMFUSE_WITH_CUDA
-void detail::mrope_cuda(const TensorView&, const TensorView&, const RopeAngles&, const RopeParams&, TensorView&,
-                        TensorView&, cudaStream_t) {
-  no_cuda_backend("mrope");
-}
-#endif
 
 }  // namespace mmfuse

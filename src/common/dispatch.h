@@ -46,6 +46,14 @@ inline void check_workspace(const char* op, const TensorView& ws, Device dev, in
                ws.defined() ? shape_str(ws) : std::string("none"));
 }
 
+// The CUDA backend call of an entry point (the expression after stream), or the no-CUDA-backend
+// error in a build without CUDA (where the backend functions are not declared).
+#ifdef MMFUSE_WITH_CUDA
+#define MMFUSE_CUDA_BACKEND(op, stream, ...) __VA_ARGS__
+#else
+#define MMFUSE_CUDA_BACKEND(op, stream, ...) ((void)(stream), ::mmfuse::no_cuda_backend(op))
+#endif
+
 // Element (i, j) of a 2-D int32 / int64 view, widened to int64 (host views; dtype already checked).
 inline int64_t index_at(const TensorView& v, int64_t i, int64_t j) {
   const int64_t off = i * v.stride[0] + j * v.stride[1];
