@@ -91,11 +91,25 @@ void check_job(const char* op, const Fp8QuantJob& j, Device dev) {
 
 float fp8_max(DType fp8) { return fp8 == DType::kFloat8E5M2 ? 57344.0f : 448.0f; }
 
+// one partial sum per 64-row tile of the cast's walk and per column (padded to the 64-column tiles)
+int64_t fp8_col_sum_partials(int64_t rows, int64_t cols) {
+  auto tiles = [](int64_t n) { return (fp8_padded(n) + 63) / 64; };
+  return tiles(rows) * tiles(cols) * 64;
+}
+
 void fp8_quantize(Fp8QuantJob* jobs, int num_jobs, cudaStream_t stream) {
   const char* op = "fp8_quantize";
   MMFUSE_CHECK(num_jobs == 1 || num_jobs == 2, op, ": expected 1 or 2 tensors, got ", num_jobs);
   const Device dev = jobs[0].src.device;
-  for (int i = 0; i < num_jobs; ++i) check_job(op, jobs[i], dev);
+  for (int i = 0; i < num_jobs; ++i) {
+    check_job(op, jobs[i], dev);
+    const Fp8QuantJob& j = jobs[i];
+    if (!j.col_sums.defined()) continue;
+    MMFUSE_CHECK(num_jobs == 1, op, ": col_sums: only for a single tensor a call");
+    check_vector_f32(op, "col_sums", j.col_sums, j.src.shape[1], dev);
+    if (dev.type == DeviceType::kCUDA)
+      check_vector_f32(op, "partials", j.partials, fp8_col_sum_partials(j.src.shape[0], j.src.shape[1]), dev);
+  }
   if (dev.type == DeviceType::kCPU) {
     for (int i = 0; i < num_jobs; ++i) detail::fp8_quantize_cpu(jobs[i]);
     return;

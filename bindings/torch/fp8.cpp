@@ -161,7 +161,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fp8_linear_fo
 
 // dX = g @ w and dW = g^T @ x from the saved transposed copies x_qt [K, Mp] and w_qt [K, Np], the
 // gradient quantized once (both copies in one pass); dW into main_grad (fp32, accumulated) when
-// given, or in bf16 from x (not fp8) when x is given; db = column sums of g (fp32, then g's dtype).
+// given, or in bf16 from x (not fp8) when x is given; db = column sums of g (fp32, then g's dtype),
+// from the gradient's cast pass (a fixed order: deterministic).
 std::tuple<Tensor, Tensor, Tensor> fp8_linear_backward_impl(
     const Tensor& g_in, const Tensor& x_qt, const Tensor& x_scale_inv, const Tensor& w_qt, const Tensor& w_scale_inv,
     Tensor& g_state, int64_t k, bool dynamic, bool e5m2, bool need_dx, bool need_dw, bool need_db, bool dw_fp32,
@@ -170,9 +171,18 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_backward_impl(
   const bool dw_fp8 = need_dw && !x.has_value();
   Quantized gq;
   Tensor dx = empty0(g), dw = empty0(g), db = empty0(g);
+  const bool fused_db = need_db && (need_dx || dw_fp8);  // db from the gradient's cast, else a column sum
+  Tensor col_sums, partials;
   if (need_dx || dw_fp8) {
     guarded("fp8_linear_backward", [&] {
       Fp8QuantJob j = make_job(g, g_state, need_dx, dw_fp8, e5m2, dynamic || per_row, per_row, gq);
+      if (fused_db) {
+        const auto f32 = g.options().dtype(at::kFloat);
+        col_sums = at::empty({g.dim() == 2 ? g.size(1) : 0}, f32);
+        partials = at::empty({g.is_cuda() && g.dim() == 2 ? fp8_col_sum_partials(g.size(0), g.size(1)) : 0}, f32);
+        j.col_sums = view(col_sums, "col_sums");
+        j.partials = view(partials, "partials");
+      }
       c10::OptionalDeviceGuard dg(g.device());
       fp8_quantize(&j, 1, current_stream(g));
     });
@@ -195,7 +205,7 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_backward_impl(
       else dw = dw_fp32 ? d.to(at::kFloat) : d;
     }
   }
-  if (need_db) db = g.sum(0, false, at::kFloat).to(g.scalar_type());
+  if (need_db) db = (fused_db ? col_sums : g.sum(0, false, at::kFloat)).to(g.scalar_type());
   return {dx, dw, db};
 }
 

@@ -56,9 +56,16 @@ struct Fp8QuantJob {
   TensorView scale_inv_t;  // per_row with qt: float32 out [fp8_padded(C)] (the scales of qt)
   TensorView state;        // per tensor: [H + 2] float32 in/out (see above), H >= 1
   TensorView scratch;      // per_row: float32 [fp8_padded(R) + fp8_padded(C)], zero on entry
+  // optional, one job only: the column sums of x (fp32, in a fixed order: deterministic), e.g. the
+  // bias gradient of the output gradient, from the same pass; on CUDA with a float32 workspace of
+  // fp8_col_sum_partials(R, C) elements
+  TensorView col_sums;     // float32 [C]
+  TensorView partials;
   bool dynamic = true;
   bool per_row = false;
 };
+
+MMFUSE_API int64_t fp8_col_sum_partials(int64_t rows, int64_t cols);
 
 // jobs: 1 or 2 tensors, all on one device.
 MMFUSE_API void fp8_quantize(Fp8QuantJob* jobs, int num_jobs, cudaStream_t stream);

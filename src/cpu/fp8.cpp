@@ -61,6 +61,12 @@ void fp8_quantize_cpu(const Fp8QuantJob& j) {
       std::fill(qs.begin(), qs.end(), scale);
       std::fill(qts.begin(), qts.end(), scale);
     }
+    if (j.col_sums.defined()) {  // fp32, row order
+      float* cs = j.col_sums.ptr<float>();
+      for (int64_t k = 0; k < c; ++k) cs[k] = 0.0f;
+      for (int64_t i = 0; i < r; ++i)
+        for (int64_t k = 0; k < c; ++k) cs[k] += at(i, k);
+    }
     auto code = [&](int64_t i, int64_t k, float scale) -> uint8_t {
       return i < r && k < c ? float_to_fp8(at(i, k) * scale, e4m3) : uint8_t(0);
     };

@@ -54,6 +54,8 @@ struct Job {
   float* scale_inv_t;  // per row with qt: [pcols]
   float* state;        // per tensor
   float* scratch;      // per row: row maxima [prows], then column maxima [pcols] (as bits)
+  float* partials;     // column sums: [tile rows][tiles_c * 64], or null
+  float* col_sums;     // [cols]
   int h;
   int64_t tiles_c, tiles;  // tile grid: tiles_c along the columns, tiles in all
   int64_t prows, pcols;  // pad(rows), pad(cols): the rows of q and of qt
@@ -188,10 +190,47 @@ __global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const __grid_constan
   if (threadIdx.x == 0) finish_amax(jb, amax);
 }
 
-template <class S>
+// The tile's 64 column sums of the thread's raw values (over the warp's 8 rows by a fixed shuffle
+// tree, then over the 8 warps in order) into partials[tile row][column]. Called by the whole block.
+__device__ __forceinline__ void col_partials(const Job& jb, float (&v)[16], int64_t tile_row, int64_t c0, int tc,
+                                             float (*sums)[kTile]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float s[16];
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    s[e] = v[e];
+    s[e] += __shfl_xor_sync(0xffffffffu, s[e], 4);
+    s[e] += __shfl_xor_sync(0xffffffffu, s[e], 8);
+    s[e] += __shfl_xor_sync(0xffffffffu, s[e], 16);
+  }
+  __syncthreads();  // the previous tile's sums are read
+  if (lane < 4) {
+#pragma unroll
+    for (int e = 0; e < 16; ++e) sums[warp][tc + e] = s[e];
+  }
+  __syncthreads();
+  if (threadIdx.x < kTile) {
+    float acc = 0.0f;
+    for (int w = 0; w < kThreads / 32; ++w) acc += sums[w][threadIdx.x];
+    jb.partials[tile_row * (jb.tiles_c * kTile) + c0 + threadIdx.x] = acc;
+  }
+}
+
+// col_sums[c] = the partial sums of column c over the tile rows, in order.
+__global__ void fp8_col_sums_kernel(const float* partials, int64_t tile_rows, int64_t ld, int64_t cols,
+                                    float* col_sums) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float acc = 0.0f;
+  for (int64_t t = 0; t < tile_rows; ++t) acc += partials[t * ld + c];
+  col_sums[c] = acc;
+}
+
+template <class S, bool kColSums>
 __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constant__ Jobs jobs) {
   __shared__ __align__(16) uint8_t tile[kTile * kTileStride];
   __shared__ float red[kThreads / 32];
+  __shared__ float sums[kColSums ? kThreads / 32 : 1][kTile];
   const Job& jb = my_job(jobs);
   float use = jb.state[0];
   if (!jb.dynamic)
@@ -211,6 +250,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constan
 #pragma unroll
       for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fabsf(v[e]));
     }
+    if constexpr (kColSums) col_partials(jb, v, t / jb.tiles_c, c0, tc, sums);
     const int64_t i = r0 + tr, k = c0 + tc;
     if (jb.q && i < jb.prows && k < jb.ldq)
       *reinterpret_cast<uint4*>(jb.q + i * jb.ldq + k) = make_uint4(w[0], w[1], w[2], w[3]);
@@ -269,9 +309,10 @@ __global__ void __launch_bounds__(kThreads) fp8_amax_rows_kernel(const __grid_co
 
 // The cast with a scale a row of q (its row's amax) and a row of qt (its column's amax); the tiles
 // at column 0 / row 0 write the inverse scales.
-template <class S>
+template <class S, bool kColSums>
 __global__ void __launch_bounds__(kThreads) fp8_cast_rows_kernel(const __grid_constant__ Jobs jobs) {
   __shared__ __align__(16) uint8_t tile[kTile * kTileStride];
+  __shared__ float sums[kColSums ? kThreads / 32 : 1][kTile];
   const Job& jb = my_job(jobs);
   const unsigned* row_amax = reinterpret_cast<const unsigned*>(jb.scratch);
   const unsigned* col_amax = row_amax + jb.prows;
@@ -283,6 +324,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_rows_kernel(const __grid_co
   for (int64_t t = int(blockIdx.x) - jb.first_block; t < jb.tiles; t += jb.blocks) {
     const int64_t r0 = (t / jb.tiles_c) * kTile, c0 = (t % jb.tiles_c) * kTile;
     load_tile<S>(jb, t, tr, tc, v);
+    if constexpr (kColSums) col_partials(jb, v, t / jb.tiles_c, c0, tc, sums);
     const int64_t i = r0 + tr, k = c0 + tc;
     if (jb.q) {
       const float sr = i < jb.prows ? scale_of(row_amax[i]) : 1.0f;
@@ -325,6 +367,8 @@ Job make_job(const Fp8QuantJob& in, bool for_cast) {
   j.per_row = in.per_row;
   j.scale_inv_t = in.per_row && in.qt.defined() ? in.scale_inv_t.ptr<float>() : nullptr;
   j.scratch = in.per_row ? in.scratch.ptr<float>() : nullptr;
+  j.col_sums = in.col_sums.defined() ? in.col_sums.ptr<float>() : nullptr;
+  j.partials = in.col_sums.defined() ? in.partials.ptr<float>() : nullptr;
   j.state = in.per_row ? nullptr : in.state.ptr<float>();
   j.h = in.per_row ? 0 : int(in.state.shape[0] - 2);
   j.e4m3 = (in.q.defined() ? in.q.dtype : in.qt.dtype) == DType::kFloat8E4M3;
@@ -378,12 +422,20 @@ void launch(const Fp8QuantJob* in, const int* idx, int n, bool amax_pass, cudaSt
     } else if (amax_pass) {
       fp8_amax_kernel<S><<<blocks, kThreads, 0, stream>>>(jobs);
       MMFUSE_CUDA_CHECK_LAUNCH("fp8_amax_kernel");
-    } else if (rows) {
-      fp8_cast_rows_kernel<S><<<blocks, kThreads, 0, stream>>>(jobs);
-      MMFUSE_CUDA_CHECK_LAUNCH("fp8_cast_rows_kernel");
     } else {
-      fp8_cast_kernel<S><<<blocks, kThreads, 0, stream>>>(jobs);
+      const bool sums = jobs.j[0].col_sums != nullptr;  // a single job then (checked)
+      if (rows && sums) fp8_cast_rows_kernel<S, true><<<blocks, kThreads, 0, stream>>>(jobs);
+      else if (rows) fp8_cast_rows_kernel<S, false><<<blocks, kThreads, 0, stream>>>(jobs);
+      else if (sums) fp8_cast_kernel<S, true><<<blocks, kThreads, 0, stream>>>(jobs);
+      else fp8_cast_kernel<S, false><<<blocks, kThreads, 0, stream>>>(jobs);
       MMFUSE_CUDA_CHECK_LAUNCH("fp8_cast_kernel");
+      if (sums && jobs.j[0].cols > 0) {
+        const Job& j = jobs.j[0];
+        const int64_t tile_rows = j.tiles / j.tiles_c;
+        fp8_col_sums_kernel<<<unsigned(cdiv(j.cols, 256)), 256, 0, stream>>>(j.partials, tile_rows,
+                                                                            j.tiles_c * kTile, j.cols, j.col_sums);
+        MMFUSE_CUDA_CHECK_LAUNCH("fp8_col_sums_kernel");
+      }
     }
   });
 }

@@ -268,6 +268,79 @@ TEST(Fp8QuantizeCpu, PerRowScalesEachRowAndColumn) {
   }
 }
 
+// Column sums from the cast pass (the bias gradient): CPU against float64 here, CUDA against CPU below.
+std::vector<float> col_sums_of(const std::vector<bf16>& x, int64_t r, int64_t c, bool per_row, bool cuda) {
+  const int64_t rp = fp8_padded(r), cp = fp8_padded(c);
+  std::vector<uint8_t> q(size_t(rp * cp)), qt(size_t(cp * rp));
+  std::vector<float> si(per_row ? size_t(rp) : size_t(1)), sit(static_cast<size_t>(cp)), state{0.0f, 0.0f, 0.0f};
+  std::vector<float> scratch(static_cast<size_t>(rp + cp));
+  std::vector<float> sums(size_t(c), NAN);
+  Fp8QuantJob j;
+  j.src = host_view(const_cast<bf16*>(x.data()), DType::kBFloat16, {r, c});
+  j.q = host_view(q.data(), DType::kFloat8E5M2, {rp, cp});
+  j.qt = host_view(qt.data(), DType::kFloat8E5M2, {cp, rp});
+  j.scale_inv = host_view(si.data(), DType::kFloat32, {int64_t(si.size())});
+  j.per_row = per_row;
+  if (per_row) {
+    j.scale_inv_t = host_view(sit.data(), DType::kFloat32, {cp});
+    j.scratch = host_view(scratch.data(), DType::kFloat32, {rp + cp});
+  } else {
+    j.state = host_view(state.data(), DType::kFloat32, {3});
+  }
+  j.col_sums = host_view(sums.data(), DType::kFloat32, {c});
+  if (!cuda) {
+    fp8_quantize(&j, 1, nullptr);
+    return sums;
+  }
+#ifdef MMFUSE_WITH_CUDA
+  DeviceBuffer<bf16> dx(x.empty() ? std::vector<bf16>(1) : x);
+  DeviceBuffer<uint8_t> dq(std::max<size_t>(1, q.size())), dqt(std::max<size_t>(1, qt.size()));
+  DeviceBuffer<float> dsi(std::max<size_t>(1, si.size())), dsit(std::max<size_t>(1, sit.size()));
+  DeviceBuffer<float> dstate(state), dscr(std::vector<float>(scratch.size() + 1, 0.0f));
+  DeviceBuffer<float> dsums(std::max<size_t>(1, sums.size())), dpart(size_t(std::max<int64_t>(1, fp8_col_sum_partials(r, c))));
+  dsums.poison();
+  dpart.poison();
+  Fp8QuantJob g = j;
+  g.src.data = dx.ptr;
+  g.q.data = dq.ptr;
+  g.qt.data = dqt.ptr;
+  g.scale_inv.data = dsi.ptr;
+  g.scale_inv_t.data = dsit.ptr;
+  g.state.data = dstate.ptr;
+  g.scratch.data = dscr.ptr;
+  g.col_sums.data = dsums.ptr;
+  g.partials = device_view(dpart.ptr, DType::kFloat32, {fp8_col_sum_partials(r, c)});
+  for (TensorView* v : {&g.src, &g.q, &g.qt, &g.scale_inv, &g.scale_inv_t, &g.state, &g.scratch, &g.col_sums})
+    if (v->defined()) v->device = Device{DeviceType::kCUDA, 0};
+  cudaStream_t st = nullptr;
+  EXPECT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  fp8_quantize(&g, 1, st);
+  EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+  cudaStreamDestroy(st);
+  if (!sums.empty()) sums = dsums.download();
+#else
+  ADD_FAILURE() << "no CUDA in this build";
+#endif
+  return sums;
+}
+
+TEST(Fp8QuantizeCpu, ColumnSumsFromTheCast) {
+  std::mt19937_64 rng(test_seed());
+  for (bool per_row : {false, true}) {
+    const int64_t r = 70, c = 45;
+    std::vector<bf16> x = random_vec<bf16>(size_t(r * c), rng, -3.0, 3.0);
+    const std::vector<float> got = col_sums_of(x, r, c, per_row, false);
+    for (int64_t k = 0; k < c; ++k) {
+      double ref = 0, mag = 0;
+      for (int64_t i = 0; i < r; ++i) {
+        ref += double(to_float(x[size_t(i * c + k)]));
+        mag += std::fabs(double(to_float(x[size_t(i * c + k)])));
+      }
+      ASSERT_NEAR(got[size_t(k)], ref, 1e-6 * double(r) * mag) << "column " << k;
+    }
+  }
+}
+
 // A GEMM problem: a [m, k], b [n, k] fp8 (random codes of small values), checked against float64.
 struct GemmCase {
   int64_t m, n, k;
@@ -474,6 +547,23 @@ TEST(Fp8QuantizeCuda, PerRowBitwiseEqualToCpu) {
     EXPECT_EQ(cpu.si, gpu.si);
     EXPECT_EQ(cpu.si_t, gpu.si_t);
   }
+}
+
+TEST(Fp8QuantizeCuda, ColumnSumsMatchCpuAndRepeat) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  for (bool per_row : {false, true})
+    for (auto [r, c] : {std::pair<int64_t, int64_t>{1, 1}, {70, 45}, {1000, 640}, {4100, 72}, {0, 16}}) {
+      SCOPED_TRACE(testing::Message() << "r=" << r << " c=" << c << " per_row=" << per_row);
+      std::mt19937_64 rng(test_seed() + uint64_t(r * 7 + c));
+      std::vector<bf16> x = random_vec<bf16>(size_t(r * c), rng, -3.0, 3.0);
+      const std::vector<float> cpu = col_sums_of(x, r, c, per_row, false), gpu = col_sums_of(x, r, c, per_row, true);
+      ASSERT_EQ(gpu, col_sums_of(x, r, c, per_row, true)) << "not deterministic";
+      for (int64_t k = 0; k < c; ++k) {
+        double mag = 0;
+        for (int64_t i = 0; i < r; ++i) mag += std::fabs(double(to_float(x[size_t(i * c + k)])));
+        ASSERT_NEAR(gpu[size_t(k)], cpu[size_t(k)], 2e-6 * double(r + 1) * (mag + 1)) << "column " << k;
+      }
+    }
 }
 
 TEST(Fp8QuantizeCuda, TwoJobsInOneLaunchMatchTwoCalls) {
