@@ -49,6 +49,47 @@ struct Quant {
   float scale_inv = NAN;
 };
 
+// Runs one quantize job over host views on the CPU, or on the GPU through device copies of every
+// view given (outputs arrive poisoned as the host filled them) that are copied back afterwards.
+void run_quantize(Fp8QuantJob& j, bool cuda) {
+  if (!cuda) return fp8_quantize(&j, 1, nullptr);
+#ifdef MMFUSE_WITH_CUDA
+  TensorView* views[] = {&j.src, &j.q, &j.qt, &j.scale_inv, &j.scale_inv_t, &j.state, &j.scratch, &j.col_sums,
+                         &j.partials};
+  struct Copy {
+    TensorView* v;
+    void* host;
+    void* dev;
+    size_t bytes;
+  };
+  std::vector<Copy> copies;
+  for (TensorView* v : views) {
+    if (!v->defined()) continue;
+    size_t span = v->numel() > 0 ? 1 : 0;  // elements the strides reach
+    for (int d = 0; d < v->ndim && span; ++d) span += size_t((v->shape[d] - 1) * v->stride[d]);
+    Copy c{v, v->data, nullptr, span * dtype_size(v->dtype)};
+    ASSERT_EQ(cudaMalloc(&c.dev, std::max<size_t>(1, c.bytes)), cudaSuccess);
+    if (c.bytes) ASSERT_EQ(cudaMemcpy(c.dev, c.host, c.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    v->data = c.dev;
+    v->device = Device{DeviceType::kCUDA, 0};
+    copies.push_back(c);
+  }
+  cudaStream_t st = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  fp8_quantize(&j, 1, st);
+  ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+  cudaStreamDestroy(st);
+  for (const Copy& c : copies) {
+    if (c.bytes) ASSERT_EQ(cudaMemcpy(c.host, c.dev, c.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    cudaFree(c.dev);
+    c.v->data = c.host;
+    c.v->device = Device{};
+  }
+#else
+  FAIL() << "no CUDA in this build";
+#endif
+}
+
 // Quantizes host x [r, c] (row stride ld) on the CPU or through the GPU; state in/out.
 template <class S>
 void quantize(const std::vector<S>& x, int64_t r, int64_t c, int64_t ld, DType fmt, bool want_q, bool want_qt,
@@ -64,33 +105,7 @@ void quantize(const std::vector<S>& x, int64_t r, int64_t c, int64_t ld, DType f
   j.scale_inv = host_view(&out.scale_inv, DType::kFloat32, {1});
   j.state = host_view(out.state.data(), DType::kFloat32, {int64_t(out.state.size())});
   j.dynamic = dynamic;
-  if (!cuda) return fp8_quantize(&j, 1, nullptr);
-#ifdef MMFUSE_WITH_CUDA
-  DeviceBuffer<S> dx(x);
-  DeviceBuffer<uint8_t> dq(std::max<size_t>(1, out.q.size())), dqt(std::max<size_t>(1, out.qt.size()));
-  dq.poison();
-  dqt.poison();
-  DeviceBuffer<float> ds(out.state), dsi(1);
-  dsi.poison();
-  Fp8QuantJob g = j;
-  g.src.data = dx.ptr;
-  g.q.data = dq.ptr;
-  g.qt.data = dqt.ptr;
-  g.scale_inv.data = dsi.ptr;
-  g.state.data = ds.ptr;
-  for (TensorView* v : {&g.src, &g.q, &g.qt, &g.scale_inv, &g.state}) v->device = Device{DeviceType::kCUDA, 0};
-  cudaStream_t s = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-  fp8_quantize(&g, 1, s);
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  cudaStreamDestroy(s);
-  if (!out.q.empty()) out.q = dq.download();
-  if (!out.qt.empty()) out.qt = dqt.download();
-  out.state = ds.download();
-  out.scale_inv = dsi.download()[0];
-#else
-  FAIL() << "no CUDA in this build";
-#endif
+  run_quantize(j, cuda);
 }
 
 // The CPU quantize against its definition.
@@ -198,40 +213,7 @@ RowQuant quantize_rows(const std::vector<bf16>& x, int64_t r, int64_t c, bool cu
   j.scale_inv_t = host_view(out.si_t.data(), DType::kFloat32, {cp});
   j.scratch = host_view(scratch.data(), DType::kFloat32, {rp + cp});
   j.per_row = true;
-  if (!cuda) {
-    fp8_quantize(&j, 1, nullptr);
-    return out;
-  }
-#ifdef MMFUSE_WITH_CUDA
-  DeviceBuffer<bf16> dx(x.empty() ? std::vector<bf16>(1) : x);
-  DeviceBuffer<uint8_t> dq(std::max<size_t>(1, out.q.size())), dqt(std::max<size_t>(1, out.qt.size()));
-  DeviceBuffer<float> dsi(std::max<size_t>(1, out.si.size())), dsit(std::max<size_t>(1, out.si_t.size()));
-  DeviceBuffer<float> dscr(std::vector<float>(size_t(rp + cp) + 1, 0.0f));
-  dq.poison();
-  dqt.poison();
-  dsi.poison();
-  dsit.poison();
-  Fp8QuantJob g = j;
-  g.src.data = dx.ptr;
-  g.q.data = dq.ptr;
-  g.qt.data = dqt.ptr;
-  g.scale_inv.data = dsi.ptr;
-  g.scale_inv_t.data = dsit.ptr;
-  g.scratch.data = dscr.ptr;
-  for (TensorView* v : {&g.src, &g.q, &g.qt, &g.scale_inv, &g.scale_inv_t, &g.scratch})
-    v->device = Device{DeviceType::kCUDA, 0};
-  cudaStream_t st = nullptr;
-  EXPECT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
-  fp8_quantize(&g, 1, st);
-  EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
-  cudaStreamDestroy(st);
-  if (!out.q.empty()) out.q = dq.download();
-  if (!out.qt.empty()) out.qt = dqt.download();
-  if (!out.si.empty()) out.si = dsi.download();
-  if (!out.si_t.empty()) out.si_t = dsit.download();
-#else
-  ADD_FAILURE() << "no CUDA in this build";
-#endif
+  run_quantize(j, cuda);
   return out;
 }
 
@@ -288,39 +270,9 @@ std::vector<float> col_sums_of(const std::vector<bf16>& x, int64_t r, int64_t c,
     j.state = host_view(state.data(), DType::kFloat32, {3});
   }
   j.col_sums = host_view(sums.data(), DType::kFloat32, {c});
-  if (!cuda) {
-    fp8_quantize(&j, 1, nullptr);
-    return sums;
-  }
-#ifdef MMFUSE_WITH_CUDA
-  DeviceBuffer<bf16> dx(x.empty() ? std::vector<bf16>(1) : x);
-  DeviceBuffer<uint8_t> dq(std::max<size_t>(1, q.size())), dqt(std::max<size_t>(1, qt.size()));
-  DeviceBuffer<float> dsi(std::max<size_t>(1, si.size())), dsit(std::max<size_t>(1, sit.size()));
-  DeviceBuffer<float> dstate(state), dscr(std::vector<float>(scratch.size() + 1, 0.0f));
-  DeviceBuffer<float> dsums(std::max<size_t>(1, sums.size())), dpart(size_t(std::max<int64_t>(1, fp8_col_sum_partials(r, c))));
-  dsums.poison();
-  dpart.poison();
-  Fp8QuantJob g = j;
-  g.src.data = dx.ptr;
-  g.q.data = dq.ptr;
-  g.qt.data = dqt.ptr;
-  g.scale_inv.data = dsi.ptr;
-  g.scale_inv_t.data = dsit.ptr;
-  g.state.data = dstate.ptr;
-  g.scratch.data = dscr.ptr;
-  g.col_sums.data = dsums.ptr;
-  g.partials = device_view(dpart.ptr, DType::kFloat32, {fp8_col_sum_partials(r, c)});
-  for (TensorView* v : {&g.src, &g.q, &g.qt, &g.scale_inv, &g.scale_inv_t, &g.state, &g.scratch, &g.col_sums})
-    if (v->defined()) v->device = Device{DeviceType::kCUDA, 0};
-  cudaStream_t st = nullptr;
-  EXPECT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
-  fp8_quantize(&g, 1, st);
-  EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
-  cudaStreamDestroy(st);
-  if (!sums.empty()) sums = dsums.download();
-#else
-  ADD_FAILURE() << "no CUDA in this build";
-#endif
+  std::vector<float> partials(size_t(fp8_col_sum_partials(r, c)), NAN);  // the CUDA path's workspace
+  j.partials = host_view(partials.data(), DType::kFloat32, {int64_t(partials.size())});
+  run_quantize(j, cuda);
   return sums;
 }
 
