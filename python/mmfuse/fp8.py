@@ -107,8 +107,8 @@ def fp8_pays(m: int, n: int, k: int) -> bool:
 # ---- autograd ----------------------------------------------------------------------------------
 
 class _Fp8LinearFn(torch.autograd.Function):
-    """x2 [M, K], w [N, K], bias [N] -> y [M, N]. Outputs 1-3: w's fp8 copies when they were made
-    here (for the caller's cache), else empty."""
+    """x2 [M, K], w [N, K], bias [N] -> y [M, N]. Outputs 1-4: w's fp8 copies and their inverse
+    scales when they were made here (for the caller's cache), else empty."""
 
     @staticmethod
     def forward(ctx, x2, w, bias, x_state, w_state, g_state, w_q, w_qt, w_si, w_si_t, dynamic, grad_e5m2,
