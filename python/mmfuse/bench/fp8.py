@@ -161,5 +161,12 @@ def run(device: str, quick: bool = False) -> dict:
             print(f"quantize 16384x8192 bf16 -> e4m3 + transposed, {mode}: {tq:.1f} us, {gbs:.0f} GB/s effective "
                   f"({100 * gbs / copy:.1f} % of copy; target 3500 GB/s)")
         out["quantize"] = qrows
+    targets = {"16384x8192x8192": 0.58, "8192x4096x14336": 0.62, "8192x4096x4096": 0.66, "2048x1024x1024": 1.00}
+    got = [(r["shape"], r["share"], r["cached_share"], r["auto_share"]) for r in out["rows"]
+           if r["pass_"] == "fwd+bwd" and r["shape"] in targets]
+    if got and on_gpu:
+        print("fp8: fwd+bwd share of bf16 (target): " + "; ".join(
+            f"{s} {v:.2f} ({targets[s]:.2f}; cached-w {c:.2f})" if targets[s] < 1 else
+            f"{s} auto {a:.2f} ({targets[s]:.2f}, the bf16 fallback)" for s, v, c, a in got))
     out["all_verified"] = all(not r["verified"].startswith("FAIL") for r in out["rows"])
     return out
