@@ -61,7 +61,8 @@ void check_job(const char* op, const Fp8QuantJob& j, Device dev) {
     const char* name;
     int64_t rows, cols;
   };
-  for (const auto& [v, name, rows, cols] : {Out{&j.q, "q", fp8_padded(r), fp8_padded(c)}, Out{&j.qt, "qt", fp8_padded(c), fp8_padded(r)}}) {
+  const int64_t rp = fp8_padded(r), cp = fp8_padded(c);
+  for (const auto& [v, name, rows, cols] : {Out{&j.q, "q", rp, cp}, Out{&j.qt, "qt", cp, rp}}) {
     if (!v->defined()) continue;
     check_2d(op, name, *v, dev);
     MMFUSE_CHECK(is_fp8(v->dtype), op, ": ", name, ": expected dtype float8_e4m3fn or float8_e5m2, got ",
@@ -75,9 +76,9 @@ void check_job(const char* op, const Fp8QuantJob& j, Device dev) {
   }
   if (j.per_row) {
     MMFUSE_CHECK(j.dynamic, op, ": per_row: scales per row are always dynamic (dynamic=False is per tensor only)");
-    check_vector_f32(op, "scale_inv", j.scale_inv, fp8_padded(r), dev);
-    if (j.qt.defined()) check_vector_f32(op, "scale_inv_t", j.scale_inv_t, fp8_padded(c), dev);
-    check_vector_f32(op, "scratch", j.scratch, fp8_padded(r) + fp8_padded(c), dev);
+    check_vector_f32(op, "scale_inv", j.scale_inv, rp, dev);
+    if (j.qt.defined()) check_vector_f32(op, "scale_inv_t", j.scale_inv_t, cp, dev);
+    check_vector_f32(op, "scratch", j.scratch, rp + cp, dev);
     return;
   }
   check_scalar_f32(op, "scale_inv", j.scale_inv, dev);

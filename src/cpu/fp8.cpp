@@ -67,25 +67,21 @@ void fp8_quantize_cpu(const Fp8QuantJob& j) {
       for (int64_t i = 0; i < r; ++i)
         for (int64_t k = 0; k < c; ++k) cs[k] += at(i, k);
     }
-    auto code = [&](int64_t i, int64_t k, float scale) -> uint8_t {
-      return i < r && k < c ? float_to_fp8(at(i, k) * scale, e4m3) : uint8_t(0);
+    // one copy: row u, column v of dst is x[u, v] (or x[v, u] transposed), scaled by its row's scale
+    auto fill = [&](const TensorView& dst, const std::vector<float>& scales, bool transposed) {
+      if (!dst.defined()) return;
+      uint8_t* out = dst.ptr<uint8_t>();
+      const int64_t cols = dst.shape[1];
+      parallel_for(dst.shape[0], 64, [&](int64_t u0, int64_t u1) {
+        for (int64_t u = u0; u < u1; ++u)
+          for (int64_t v = 0; v < cols; ++v) {
+            const int64_t i = transposed ? v : u, k = transposed ? u : v;
+            out[u * cols + v] = i < r && k < c ? float_to_fp8(at(i, k) * scales[size_t(u)], e4m3) : uint8_t(0);
+          }
+      });
     };
-    if (j.q.defined()) {
-      uint8_t* q = j.q.ptr<uint8_t>();
-      const int64_t cp = j.q.shape[1];
-      parallel_for(j.q.shape[0], 64, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i)
-          for (int64_t k = 0; k < cp; ++k) q[i * cp + k] = code(i, k, qs[size_t(i)]);
-      });
-    }
-    if (j.qt.defined()) {
-      uint8_t* qt = j.qt.ptr<uint8_t>();
-      const int64_t rp = j.qt.shape[1];
-      parallel_for(j.qt.shape[0], 64, [&](int64_t k0, int64_t k1) {
-        for (int64_t k = k0; k < k1; ++k)
-          for (int64_t i = 0; i < rp; ++i) qt[k * rp + i] = code(i, k, qts[size_t(k)]);
-      });
-    }
+    fill(j.q, qs, false);
+    fill(j.qt, qts, true);
   });
 }
 
