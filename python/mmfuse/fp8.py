@@ -125,10 +125,13 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.per_row = per_row
         ctx.k = x2.shape[1]
         ctx.mark_non_differentiable(nq, nqt, nsi, nsi_t)
+        ctx.set_materialize_grads(False)  # else autograd fills zero "gradients" of w's fp8 copies every step
         return y, nq, nqt, nsi, nsi_t
 
     @staticmethod
     def backward(ctx, gy, _gq, _gqt, _gsi, _gsit):
+        if gy is None:  # y took no part in the loss
+            return (None,) * 16
         x_qt, x_si, w_qt, w_si, g_state, x2, main_grad = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if main_grad is not None and not need_dw:

@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "common/cuda_check.h"
+#include "mmfuse/common.h"
 
 #define MMFUSE_CUBLAS_CHECK(expr)                                                                      \
   do {                                                                                                 \
@@ -20,6 +21,17 @@
 
 namespace mmfuse {
 namespace cuda {
+
+// The cuBLAS data type of a tensor dtype (float64 and the integer types are rejected before).
+inline cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::kFloat8E4M3: return CUDA_R_8F_E4M3;
+    case DType::kFloat8E5M2: return CUDA_R_8F_E5M2;
+    case DType::kBFloat16: return CUDA_R_16BF;
+    case DType::kFloat16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
 
 // Largest power of two (at most 256) dividing the address: the alignment cuBLASLt may assume.
 inline uint32_t alignment(const void* p) {

@@ -23,15 +23,8 @@ namespace mmfuse {
 namespace detail {
 namespace {
 
-cudaDataType_t cuda_type(DType t) {
-  switch (t) {
-    case DType::kBFloat16: return CUDA_R_16BF;
-    case DType::kFloat16: return CUDA_R_16F;
-    default: return CUDA_R_32F;  // float32 (float64 is rejected before)
-  }
-}
-
 using cuda::alignment;
+using cuda::cuda_type;
 
 struct Key {
   int device;

@@ -11,19 +11,26 @@ import torch
 def time_us(fn: Callable[[], object], device: str, warmup: int = 5, iters: int = 30) -> tuple:
     """Median and (max - min) spread in microseconds of fn(): device time on the GPU.
 
-    On the GPU each sample is fn() between two CUDA events, queued behind a ~0.5 ms sleep kernel so
-    that the host has enqueued all of fn's launches before the GPU reaches them: the sample is the
-    GPU time of fn's kernels, without the host's launch latency (reported separately as host
-    overhead). On the CPU it is wall time.
+    On the GPU each sample is fn() between two CUDA events, queued behind a sleep kernel (at least
+    ~0.5 ms, and twice the shortest host time of a warm-up call) so that the host has enqueued all of
+    fn's launches before the GPU reaches them: the sample is the GPU time of fn's kernels, without
+    the host's launch latency (reported separately as host overhead). On the CPU it is wall time.
     """
-    for _ in range(warmup):
+    host = float("inf")
+    for _ in range(max(1, warmup)):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
         fn()
+        host = min(host, time.perf_counter() - t)
     times = []
     if device == "cuda":
+        # the sleep outlasts the host's enqueueing twice over (about 2000 cycles a microsecond)
+        cycles = max(1_000_000, int(2 * host * 1e6 * 2000))
         torch.cuda.synchronize()
         for _ in range(iters):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(1_000_000)
+            torch.cuda._sleep(cycles)
             a.record()
             fn()
             b.record()

@@ -5,6 +5,7 @@ pass's effective bandwidth against the copy ceiling, all in one run.
 
 Rows: ``mmfuse`` = ``Fp8Linear(fallback=False)`` with dynamic scaling and w quantized on every call;
 ``mmfuse cached-w`` = the micro-batch case (w's fp8 copies reused, x scaled by its delayed history);
+``delayed`` = delayed scaling of x and the gradient (one pass each), w quantized (dynamically) on every call;
 ``auto`` = ``Fp8Linear`` as shipped (bf16 below the measured :func:`mmfuse.fp8.fp8_pays` threshold);
 ``row`` = the per-row recipe.
 ``share`` = time / bf16 time (issue 6's targets for fwd+bwd: <= 0.58, 0.62, 0.66 on the three big
@@ -21,6 +22,7 @@ _SHAPES = [(16384, 8192, 8192), (8192, 4096, 14336), (8192, 4096, 4096), (8192, 
            (4096, 4096, 4096), (4096, 2048, 2048), (2048, 1024, 1024), (1024, 1024, 1024)]
 _QUICK_SHAPES = [(16384, 8192, 8192), (8192, 4096, 14336), (8192, 4096, 4096), (2048, 1024, 1024)]
 _CPU_SHAPES = [(256, 192, 320)]
+_BREAKDOWN = {(16384, 8192, 8192), (8192, 4096, 14336), (8192, 4096, 4096)}
 
 
 class _TorchFp8(torch.autograd.Function):
@@ -61,6 +63,22 @@ def _kernels_of(fn) -> list:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def _kernel_times(fn) -> list:
+    """(name, device µs) of each kernel one call of fn runs, in launch order, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list."""
+    return name.split("<")[0].split("(")[0].replace("void ", "")[:40]
+
+
 def _rel(a, b) -> float:
     return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-30))
 
@@ -84,7 +102,8 @@ def run(device: str, quick: bool = False) -> dict:
     print(f"\n## fp8 linear ({'bf16 in/out, fp32 accumulate' if on_gpu else 'CPU emulation'}; M x K x N; "
           "share = time / bf16 F.linear time)")
     hdr = (f"| {'shape':<18} | {'pass':<7} | {'bf16 us':>9} | {'mmfuse us':>9} | {'share':>5} | {'cached-w':>8} | "
-           f"{'auto':>5} | {'row':>5} | {'torch fp8 eager':>15} | {'compiled':>8} | {'launches':>8} | {'rel err':>7} |")
+           f"{'delayed':>7} | {'auto':>5} | {'row':>5} | {'torch fp8 eager':>15} | {'compiled':>8} | {'launches':>8} | "
+           f"{'rel err':>7} |")
     print(hdr)
     print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
     for (m, k, n) in shapes:
@@ -96,8 +115,9 @@ def run(device: str, quick: bool = False) -> dict:
         auto = Fp8Linear(k, n, device=device, dtype=torch.bfloat16)
         cached = Fp8Linear(k, n, device=device, dtype=torch.bfloat16, fallback=False, scaling="delayed")
         rowm = Fp8Linear(k, n, device=device, dtype=torch.bfloat16, fallback=False, recipe="row")
+        dela = Fp8Linear(k, n, device=device, dtype=torch.bfloat16, fallback=False, scaling="delayed")
         with torch.no_grad():
-            for mod in (lin, auto, cached, rowm):
+            for mod in (lin, auto, cached, rowm, dela):
                 mod.weight.copy_(w)
                 mod.bias.copy_(b)
         xg = x.detach().requires_grad_()
@@ -115,7 +135,7 @@ def run(device: str, quick: bool = False) -> dict:
         def fb(f):
             def step():
                 for p in (xg, lin.weight, lin.bias, auto.weight, auto.bias, cached.weight, cached.bias, rowm.weight,
-                          rowm.bias, w, b):
+                          rowm.bias, dela.weight, dela.bias, w, b):
                     p.grad = None
                 f(xg).backward(gy)
             return step
@@ -126,47 +146,62 @@ def run(device: str, quick: bool = False) -> dict:
             if pas == "fwd":
                 # the training forward: w requires grad, so each op keeps what its backward needs
                 fns = dict(bf16=lambda: F.linear(x, wp, bp), ours=lambda: lin(x),
-                           cached=lambda: cached(x, is_first_microbatch=False), auto=lambda: auto(x), row=lambda: rowm(x),
+                           cached=lambda: cached(x, is_first_microbatch=False), delayed=lambda: dela(x),
+                           auto=lambda: auto(x), row=lambda: rowm(x),
                            torch_eager=lambda: _TorchFp8.apply(x, wp, bp), torch_comp=lambda: compiled_fwd(x, wp, bp))
                 t = {k_: time_us(f, device, **it)[0] for k_, f in fns.items()} if on_gpu else \
                     {"bf16": time_us(fns["bf16"], device, **it)[0], "ours": time_us(fns["ours"], device, **it)[0]}
             else:
                 fns = dict(bf16=fb(lambda v: F.linear(v, wp, bp)), ours=fb(lin), cached=fb(lambda v: cached(v, False)),
-                           auto=fb(auto), row=fb(rowm), torch_eager=fb(lambda v: _TorchFp8.apply(v, wp, bp)),
+                           delayed=fb(dela), auto=fb(auto), row=fb(rowm),
+                           torch_eager=fb(lambda v: _TorchFp8.apply(v, wp, bp)),
                            torch_comp=lambda: (setattr(xg, "grad", None), compiled_fb(xg, wp, bp, gy)))
                 t = {k_: time_us(f, device, **it)[0] for k_, f in fns.items()} if on_gpu else \
                     {"bf16": time_us(fns["bf16"], device, **it)[0], "ours": time_us(fns["ours"], device, **it)[0]}
             sh = {k_: v / t["bf16"] for k_, v in t.items()}
             row = dict(shape=shape, pass_=pas, bf16_us=t["bf16"], us=t["ours"], share=sh["ours"],
-                       cached_share=sh.get("cached"), auto_share=sh.get("auto"), row_share=sh.get("row"),
+                       cached_share=sh.get("cached"), delayed_share=sh.get("delayed"), auto_share=sh.get("auto"),
+                       row_share=sh.get("row"),
                        torch_eager_share=sh.get("torch_eager"), torch_compiled_share=sh.get("torch_comp"),
                        launches=launches if pas == "fwd" else None, rel_err=err, verified=verified)
             out["rows"].append(row)
             f2 = lambda v: f"{v:5.2f}" if v is not None else "    -"  # noqa: E731
             print(f"| {shape:<18} | {pas:<7} | {t['bf16']:9.1f} | {t['ours']:9.1f} | {sh['ours']:5.2f} | "
-                  f"{f2(sh.get('cached')):>8} | {f2(sh.get('auto'))} | {f2(sh.get('row'))} | {f2(sh.get('torch_eager')):>15} | "
+                  f"{f2(sh.get('cached')):>8} | {f2(sh.get('delayed')):>7} | {f2(sh.get('auto'))} | {f2(sh.get('row'))} | "
+                  f"{f2(sh.get('torch_eager')):>15} | "
                   f"{f2(sh.get('torch_comp')):>8} | {(launches if pas == 'fwd' else ''):>8} | {err:7.4f} |")
-        del x, w, b, gy, xg, lin, auto, cached, wp, bp
+        if on_gpu and (m, k, n) in _BREAKDOWN:
+            # where the fwd+bwd time goes: each kernel of one step, ours (delayed) against bf16
+            for label, f in (("delayed", fb(dela)), ("bf16", fb(lambda v: F.linear(v, wp, bp)))):
+                ks = _kernel_times(f)
+                total = sum(us for _, us in ks)
+                out.setdefault("breakdown", []).append(dict(shape=shape, what=label, kernels=ks))
+                print(f"  {shape} fwd+bwd {label} kernels ({total:.0f} us of device time): " +
+                      "; ".join(f"{_short(nm)} {us:.0f}" for nm, us in ks))
+        del x, w, b, gy, xg, lin, auto, cached, dela, wp, bp
     if on_gpu:
         # quantize: bf16 -> e4m3 row-major + transposed; bytes = x read once + both copies written
         x = torch.randn(16384, 8192, device=device).to(torch.bfloat16)
         nbytes = x.numel() * 4
         st = fp8.new_state(16, device)
-        fp8.fp8_quantize(x, st, transposed=True)
+        ref = fp8.fp8_quantize(x, st, transposed=True)  # the same amax every call: every cast is this one
         qrows = []
         for mode, dyn in (("dynamic (2 passes)", True), ("delayed (1 pass)", False)):
+            q = fp8.fp8_quantize(x, st, transposed=True, dynamic=dyn)
+            ok = torch.equal(q.q.view(torch.uint8), ref.q.view(torch.uint8)) and \
+                torch.equal(q.qt.view(torch.uint8), ref.qt.view(torch.uint8))
             tq, _ = time_us(lambda: fp8.fp8_quantize(x, st, transposed=True, dynamic=dyn), device, **it)
             gbs = nbytes / (tq * 1e-6) / 1e9
-            qrows.append(dict(mode=mode, us=tq, gbs=gbs, pct_copy=100 * gbs / copy))
+            qrows.append(dict(mode=mode, us=tq, gbs=gbs, pct_copy=100 * gbs / copy, verified=ok))
             print(f"quantize 16384x8192 bf16 -> e4m3 + transposed, {mode}: {tq:.1f} us, {gbs:.0f} GB/s effective "
-                  f"({100 * gbs / copy:.1f} % of copy; target 3500 GB/s)")
+                  f"({100 * gbs / copy:.1f} % of copy; target 3500 GB/s; {'bitwise' if ok else 'MISMATCH'})")
         out["quantize"] = qrows
     targets = {"16384x8192x8192": 0.58, "8192x4096x14336": 0.62, "8192x4096x4096": 0.66, "2048x1024x1024": 1.00}
-    got = [(r["shape"], r["share"], r["cached_share"], r["auto_share"]) for r in out["rows"]
+    got = [(r["shape"], r["share"], r["cached_share"], r["delayed_share"], r["auto_share"]) for r in out["rows"]
            if r["pass_"] == "fwd+bwd" and r["shape"] in targets]
     if got and on_gpu:
         print("fp8: fwd+bwd share of bf16 (target): " + "; ".join(
-            f"{s} {v:.2f} ({targets[s]:.2f}; cached-w {c:.2f})" if targets[s] < 1 else
-            f"{s} auto {a:.2f} ({targets[s]:.2f}, the bf16 fallback)" for s, v, c, a in got))
+            f"{s} {v:.2f} ({targets[s]:.2f}; delayed {d:.2f}; cached-w {c:.2f})" if targets[s] < 1 else
+            f"{s} auto {a:.2f} ({targets[s]:.2f}, the bf16 fallback)" for s, v, c, d, a in got))
     out["all_verified"] = all(not r["verified"].startswith("FAIL") for r in out["rows"])
     return out
