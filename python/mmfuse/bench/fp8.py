@@ -52,19 +52,9 @@ class _TorchFp8(torch.autograd.Function):
         return dx, dw, g.sum(0)
 
 
-def _kernels_of(fn) -> list:
-    """Names of the CUDA kernels (and memsets / copies) one call of fn runs, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def _kernel_times(fn) -> list:
-    """(name, device µs) of each kernel one call of fn runs, in launch order, from the profiler."""
+    """(name, device µs) of each CUDA kernel (and memset / copy) one call of fn runs, in launch order,
+    from the profiler."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -127,7 +117,7 @@ def run(device: str, quick: bool = False) -> dict:
         verified = "close" if err <= 0.045 else f"FAIL {err:.3f}"
         cached(x, is_first_microbatch=True)  # fills the cache and the history
         shape = f"{m}x{k}x{n}"
-        names = _kernels_of(lambda: lin(x)) if on_gpu else []
+        names = [nm for nm, _ in _kernel_times(lambda: lin(x))] if on_gpu else []
         launches = len(names)
         if on_gpu and (m, k, n) == shapes[0]:
             print("forward kernels: " + "; ".join(nm[:60] for nm in names))
