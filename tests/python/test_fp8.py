@@ -237,6 +237,26 @@ def test_weight_cache_main_grad_and_delayed(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_gets_no_zero_filled_weight_copy_grads(device, monkeypatch):
+    # the forward's fp8 weight copies are outputs without gradients: autograd must not materialise
+    # zero tensors the size of w for them on every step (it did: two fills of w a step on the H200)
+    seen = []
+    orig = fp8._Fp8LinearFn.backward
+
+    def spy(ctx, gy, *rest):
+        seen.append(rest)
+        return orig(ctx, gy, *rest)
+
+    monkeypatch.setattr(fp8._Fp8LinearFn, "backward", staticmethod(spy))
+    lin = Fp8Linear(64, 48, device=device, dtype=torch.bfloat16, fallback=False)
+    x = torch.randn(32, 64, device=device).to(torch.bfloat16).requires_grad_()
+    for first in (None, True):  # w's copies returned for the cache, or not
+        lin(x, is_first_microbatch=first).float().sum().backward()
+    assert len(seen) == 2 and all(g is None for rest in seen for g in rest)
+    assert x.grad is not None and lin.weight.grad is not None
+
+
 def test_drop_in_module():
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)).to(torch.bfloat16)
