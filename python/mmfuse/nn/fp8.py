@@ -20,7 +20,9 @@ class Fp8Linear(torch.nn.Linear):
         scaling: ``"dynamic"`` (default): every tensor scaled by its own amax (exact range, one extra
             read of x, w and the gradient); ``"delayed"``: x and the output gradient scaled by the
             maximum of their last ``history`` amaxes (one pass each; values past that range saturate;
-            a fresh state is exact on its first call). w is always scaled dynamically.
+            a fresh state is exact on its first call). w is always scaled dynamically. Measured on an
+            H200 (fwd+bwd time over bf16, docs/benchmarks.md): 0.57 / 0.64 / 0.70 dynamic against
+            0.56 / 0.62 / 0.67 delayed at 16384x8192x8192 / 8192x4096x14336 / 8192x4096x4096.
         recipe: ``"tensor"`` (default) or ``"row"`` (a scale a row of every fp8 copy: more accurate;
             needs ``scaling="dynamic"``).
         history: length of the amax history (delayed scaling).
