@@ -3,9 +3,10 @@
 // Quantize: a grid of blocks walks 64 x 64 tiles of x (padded extents); a thread loads 16 values of
 // one row (16-byte runs of x, 4 runs apart, where the rows allow: col16), converts them once (fp32
 // multiply, round to nearest even, saturating), stores them to q (a store a run) and, for qt, through
-// a shared-memory tile so that it stores 16 rows of one column (16 bytes). amax: each block reduces its tiles, one atomicMax a
-// block on the state's scratch word (a maximum is exact, so the result does not depend on the order),
-// and the last block to finish (a counter in the state) moves the history and resets the scratch.
+// a shared-memory tile so that it stores 16 rows of one column (16 bytes). amax: each block reduces
+// its tiles, one atomicMax a block on the state's scratch word (a maximum is exact, so the result
+// does not depend on the order), and the last block to finish (a counter in the state) moves the
+// history and resets the scratch.
 // Per row: an amax pass of row and column maxima (atomicMax into the caller's zeroed scratch), then a
 // cast that scales q by rows and qt by columns (two conversions a value).
 // Dynamic scaling runs an amax-only pass of the same shape first; delayed scaling launches that pass
@@ -75,8 +76,8 @@ __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
 // Column, within its tile, of value e of the thread at tile offset tc (16 x its place j in the row,
 // 0..3). A thread's 16 values are the row's 16-byte runs j, j + 4, ... (V = 16 / sizeof(S) values a
 // run), so that each load instruction of a warp reads whole 32-byte sectors: 4 threads read 64
-// contiguous bytes of a row (the former 16 contiguous values a thread left every sector half read
-// by each of two instructions, and the second half to L1).
+// contiguous bytes of a row (16 contiguous values a thread left every sector half read by each of
+// two instructions, the second half to L1; measured on the H200: the same cast time either way).
 template <class S>
 __device__ __forceinline__ int col16(int tc, int e) {
   constexpr int V = 16 / int(sizeof(S));
