@@ -489,8 +489,8 @@ void launch(const Fp8QuantJob* in, const int* idx, int n, bool amax_pass, cudaSt
     if (sums && jobs.j[0].cols > 0) {
       const Job& j = jobs.j[0];
       const int64_t tile_rows = j.tiles / j.tiles_c;
-      fp8_col_sums_kernel<<<unsigned(cdiv(j.cols, kSumCols)), kThreads, 0, stream>>>(j.partials, tile_rows,
-                                                                                  j.tiles_c * kTile, j.cols, j.col_sums);
+      const unsigned grid = unsigned(cdiv(j.cols, kSumCols));
+      fp8_col_sums_kernel<<<grid, kThreads, 0, stream>>>(j.partials, tile_rows, j.tiles_c * kTile, j.cols, j.col_sums);
       MMFUSE_CUDA_CHECK_LAUNCH("fp8_col_sums_kernel");
     }
   });
