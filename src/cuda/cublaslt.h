@@ -1,5 +1,6 @@
 // cuBLASLt pieces shared by the GEMM backends (dual_gemm, fp8): checked calls, one handle per device
-// for the process, pointer alignment, and the heuristic's first algorithm for a described problem.
+// for the process, pointer alignment, the heuristic's first algorithm for a described problem, and a
+// bounded per-process cache of those algorithms.
 #pragma once
 
 #include <cublasLt.h>
@@ -86,6 +87,33 @@ inline bool cublaslt_first_algo(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, c
   *algo = result.algo;
   return true;
 }
+
+// The heuristic's algorithm per problem (a plain value: descriptors are rebuilt per call), for the
+// process, thread-safe; past kMax problems (token counts that keep changing) it starts over, so it
+// stays bounded. choose() runs under the lock, once per problem not yet cached.
+template <class Key>
+class AlgoCache {
+ public:
+  static AlgoCache& get() {
+    static AlgoCache* c = new AlgoCache();  // never destroyed: no teardown order issues at exit
+    return *c;
+  }
+  template <class Choose>
+  cublasLtMatmulAlgo_t find(const Key& key, Choose&& choose) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = plans_.find(key);
+    if (it == plans_.end()) {
+      if (plans_.size() >= kMax) plans_.clear();
+      it = plans_.emplace(key, choose()).first;
+    }
+    return it->second;
+  }
+
+ private:
+  static constexpr size_t kMax = 4096;
+  std::mutex mu_;
+  std::map<Key, cublasLtMatmulAlgo_t> plans_;
+};
 
 }  // namespace cuda
 }  // namespace mmfuse

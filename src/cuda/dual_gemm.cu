@@ -11,8 +11,6 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <tuple>
 
 #include "common/cuda_check.h"
@@ -41,16 +39,6 @@ struct Key {
     return tie(*this) < tie(o);
   }
 };
-
-struct Cache {
-  std::mutex mu;
-  std::map<Key, cublasLtMatmulAlgo_t> plans;
-};
-
-Cache& cache() {
-  static Cache* c = new Cache();  // never destroyed: no teardown order issues at exit
-  return *c;
-}
 
 // The descriptors of one problem, in caller (stack) storage: built per call, a few host stores, no
 // allocation.
@@ -82,10 +70,6 @@ cublasLtMatmulAlgo_t choose_algo(cublasLtHandle_t h, const Key& key, Descs& d) {
   return algo;
 }
 
-// Problems whose algorithm is remembered; past this many (token counts that keep changing) the cache
-// starts over, so it stays bounded.
-constexpr size_t kMaxPlans = 4096;
-
 // One expert: out (+)= op(a) @ op(w).
 void gemm_one(const TensorView& a, const TensorView& w, TensorView& out, const DualGemmOptions& o, void* ws,
               size_t ws_bytes, cudaStream_t stream) {
@@ -113,18 +97,8 @@ void gemm_one(const TensorView& a, const TensorView& w, TensorView& out, const D
   key.ws = ws_bytes;
   Descs d;
   describe(key, d);
-  Cache& c = cache();
   const cublasLtHandle_t h = cuda::cublaslt_handle(key.device);
-  cublasLtMatmulAlgo_t algo;
-  {
-    std::lock_guard<std::mutex> lock(c.mu);
-    auto it = c.plans.find(key);
-    if (it == c.plans.end()) {
-      if (c.plans.size() >= kMaxPlans) c.plans.clear();
-      it = c.plans.emplace(key, choose_algo(h, key, d)).first;
-    }
-    algo = it->second;
-  }
+  const cublasLtMatmulAlgo_t algo = cuda::AlgoCache<Key>::get().find(key, [&] { return choose_algo(h, key, d); });
   const float alpha = 1.0f, beta = o.accumulate ? 1.0f : 0.0f;
   MMFUSE_CUBLAS_CHECK(cublasLtMatmul(h, &d.desc, &alpha, w.data, &d.wl, a.data, &d.al, &beta, out.data, &d.cl,
                                      out.data, &d.cl, &algo, ws, ws_bytes, stream));
