@@ -475,7 +475,8 @@ TEST(Fp8QuantizeCuda, BitwiseEqualToCpu) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";
   for (DType fmt : {DType::kFloat8E4M3, DType::kFloat8E5M2})
     for (bool dynamic : {true, false})
-      for (auto [r, c] : {std::pair<int64_t, int64_t>{1, 1}, {5, 7}, {64, 64}, {100, 200}, {257, 72}, {0, 16}, {9, 0}}) {
+      for (auto [r, c] : {std::pair<int64_t, int64_t>{1, 1}, {5, 7}, {64, 64}, {100, 200}, {257, 72}, {130, 390},
+                          {0, 16}, {9, 0}}) {
         check_cuda_quantize<bf16>(r, c, c, fmt, dynamic, true, true);
         check_cuda_quantize<bf16>(r, c, c + 8, fmt, dynamic, true, false);
         check_cuda_quantize<f16>(r, c, c + 1, fmt, dynamic, false, true);
