@@ -224,7 +224,7 @@ def test_weight_cache_main_grad_and_delayed(device):
     # a fresh delayed module's first step is exactly the dynamic one (the amax pass runs on the device)
     fresh = Fp8Linear(64, 48, scaling="delayed", **kw)
     fresh.load_state_dict(lin.state_dict())
-    dyn = Fp8Linear(64, 48, **kw)
+    dyn = Fp8Linear(64, 48, scaling="dynamic", **kw)
     dyn.load_state_dict(lin.state_dict())
     xg = xs[0].clone().requires_grad_()
     outs = []
@@ -360,11 +360,19 @@ def test_opcheck(device):
                           test_utils=no_schema)
 
 
+def test_default_scaling_is_delayed_per_tensor_dynamic_per_row():
+    assert Fp8Linear(32, 16).scaling == "delayed"
+    assert Fp8Linear(32, 16, recipe="row").scaling == "dynamic"
+    with pytest.raises(ValueError, match="recipe"):
+        Fp8Linear(32, 16, recipe="row", scaling="delayed")
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_compile_fullgraph(device):
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic"])
+def test_compile_fullgraph(device, scaling):
     torch.manual_seed(2)
-    lin = Fp8Linear(48, 32, device=device, dtype=torch.bfloat16, fallback=False)
-    ref = Fp8Linear(48, 32, device=device, dtype=torch.bfloat16, fallback=False)
+    lin = Fp8Linear(48, 32, device=device, dtype=torch.bfloat16, fallback=False, scaling=scaling)
+    ref = Fp8Linear(48, 32, device=device, dtype=torch.bfloat16, fallback=False, scaling=scaling)
     ref.load_state_dict(lin.state_dict())
     x = torch.randn(16, 48).to(torch.bfloat16).to(device)
     step = torch.compile(lambda m, v: m(v).float().square().sum(), fullgraph=True)
@@ -374,9 +382,10 @@ def test_compile_fullgraph(device):
 
 
 @needs_gpu
-def test_cuda_graph_and_no_syncs():
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic"])
+def test_cuda_graph_and_no_syncs(scaling):
     torch.manual_seed(3)
-    lin = Fp8Linear(256, 128, device="cuda", dtype=torch.bfloat16, fallback=False)
+    lin = Fp8Linear(256, 128, device="cuda", dtype=torch.bfloat16, fallback=False, scaling=scaling)
     x = torch.randn(512, 256, device="cuda").to(torch.bfloat16).requires_grad_()
     lin(x).sum().backward()  # warm-up (algorithm selection happens here)
     torch.cuda.synchronize()

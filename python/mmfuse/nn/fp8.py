@@ -17,12 +17,14 @@ class Fp8Linear(torch.nn.Linear):
     Same parameters, ``state_dict`` and constructor as ``nn.Linear``, plus:
 
     Args:
-        scaling: ``"dynamic"`` (default): every tensor scaled by its own amax (exact range, one extra
-            read of x, w and the gradient); ``"delayed"``: x and the output gradient scaled by the
-            maximum of their last ``history`` amaxes (one pass each; values past that range saturate;
-            a fresh state is exact on its first call). w is always scaled dynamically. Measured on an
-            H200 (fwd+bwd time over bf16, docs/benchmarks.md): 0.57 / 0.64 / 0.70 dynamic against
-            0.56 / 0.62 / 0.67 delayed at 16384x8192x8192 / 8192x4096x14336 / 8192x4096x4096.
+        scaling: ``"delayed"`` (the default with the per-tensor recipe, as in TransformerEngine): x and
+            the output gradient scaled by the maximum of their last ``history`` amaxes (one pass each;
+            values past that range saturate; a fresh state is exact on its first call); ``"dynamic"``
+            (the default with ``recipe="row"``): every tensor scaled by its own amax (exact range, one
+            extra read of x and of the gradient). w is always scaled dynamically. Measured on an H200
+            (fwd+bwd time over bf16, docs/benchmarks.md, 2026-12-03 18:18 UTC): 0.56 / 0.59 / 0.64
+            delayed against 0.57 / 0.62 / 0.67 dynamic at 16384x8192x8192 / 8192x4096x14336 /
+            8192x4096x4096.
         recipe: ``"tensor"`` (default) or ``"row"`` (a scale a row of every fp8 copy: more accurate;
             needs ``scaling="dynamic"``).
         history: length of the amax history (delayed scaling).
@@ -43,10 +45,12 @@ class Fp8Linear(torch.nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 scaling: str = "dynamic", recipe: str = "tensor", history: int = _fp8.DEFAULT_HISTORY,
+                 scaling: Optional[str] = None, recipe: str = "tensor", history: int = _fp8.DEFAULT_HISTORY,
                  grad_dtype: torch.dtype = _fp8.E5M2, bf16_wgrad: bool = False, fallback: bool = True,
                  fuse_wgrad_accumulation: bool = False) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        if scaling is None:
+            scaling = "dynamic" if recipe == "row" else "delayed"
         if scaling not in ("dynamic", "delayed"):
             raise ValueError(f"Fp8Linear: scaling: expected 'dynamic' or 'delayed', got {scaling!r}")
         if recipe not in ("tensor", "row") or (recipe == "row" and scaling != "dynamic"):
