@@ -280,15 +280,20 @@ __global__ void __launch_bounds__(kThreads) fp8_col_sums_kernel(const float* par
 
 // A tile's pass p (0..3) is its rows 32 p .. 32 p + 31: thread (row lr = tid / 8 of the pass, group
 // g = tid % 8) has 16 values, columns 16 g .. 16 g + 15 (8 threads read a row's 256 or 512 bytes
-// whole). Loads run kAhead passes ahead of their use (raw, 16 bytes each: bf16 / fp16 two passes,
-// fp32 one). q's part: 16 bytes a thread, 128-byte lines. qt's part: the tile's fp8 bytes through
-// shared memory (128 rows x 32 words; the 16-byte group g of row r at g ^ ((r / 16) % 8), so that
-// both phases are conflict-free), then a thread transposes 4 x 4 byte blocks in registers and stores
-// 16 rows of x of 4 of its columns: 4 rows of qt, 16 bytes each, again whole lines.
+// whole). Loads run kAhead passes ahead of their use (raw, kCastAheadBytes). q's part: 16 bytes a
+// thread, 128-byte lines. qt's part: the tile's fp8 bytes through shared memory (128 rows x 32
+// words; the 16-byte group g of row r at g ^ ((r / 16) % 8), so that both phases are conflict-free),
+// then a thread transposes 4 x 4 byte blocks in registers and stores 16 rows of x of 4 of its
+// columns: 4 rows of qt, 16 bytes each, again whole lines.
 // (Measured on the H200 against the 64 x 64 tiles of the other kernels, 16384 x 8192 bf16 with both
 // copies: 143 against 170 us, 90 against 75 % of a copy.)
 constexpr int kCastTile = 128, kCastWords = kCastTile / 4;
-constexpr int kCastAheadBytes = 64;  // raw bytes of x a thread holds for the look-ahead (at least one pass)
+// Raw bytes of x a thread holds for the look-ahead (at least one pass): bf16 / fp16 4 passes (64
+// registers), 2 with the column sums (whose extra registers then cost occupancy); fp32 half that.
+// Measured on the H200 (18:36 UTC run): 2 passes ahead 152.4 us for the 16384 x 8192 quantize, 4
+// passes 151.0; the gradient cast with column sums 131-148 us with 2, 134-152 with 4.
+template <bool kColSums>
+constexpr int kCastAheadBytes = kColSums ? 64 : 128;
 
 template <class S>
 struct alignas(16) Raw16 {  // one thread's 16 values of a pass, as loaded
@@ -344,7 +349,7 @@ __device__ __forceinline__ void half_partials(const Job& jb, float (&s)[16], int
 
 template <class S, bool kColSums>
 __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constant__ Jobs jobs) {
-  constexpr int kFit = kCastAheadBytes / (16 * int(sizeof(S))), kAhead = kFit < 1 ? 1 : kFit > 4 ? 4 : kFit;
+  constexpr int kFit = kCastAheadBytes<kColSums> / (16 * int(sizeof(S))), kAhead = kFit < 1 ? 1 : kFit > 4 ? 4 : kFit;
   __shared__ __align__(16) uint32_t tile[kCastTile * kCastWords];
   __shared__ float red[kThreads / 32];
   __shared__ float sums[kColSums ? kThreads / 32 : 1][kCastTile];

@@ -22,9 +22,9 @@ class Fp8Linear(torch.nn.Linear):
             values past that range saturate; a fresh state is exact on its first call); ``"dynamic"``
             (the default with ``recipe="row"``): every tensor scaled by its own amax (exact range, one
             extra read of x and of the gradient). w is always scaled dynamically. Measured on an H200
-            (fwd+bwd time over bf16, docs/benchmarks.md, 2026-12-03 18:18 UTC): 0.56 / 0.59 / 0.64
-            delayed against 0.57 / 0.62 / 0.67 dynamic at 16384x8192x8192 / 8192x4096x14336 /
-            8192x4096x4096.
+            (fwd+bwd time over bf16, docs/benchmarks.md, 2026-12-03 18:18 and 18:36 UTC): 0.54-0.57 /
+            0.59-0.60 / 0.63-0.64 delayed against 0.55-0.59 / 0.62 / 0.66-0.67 dynamic at
+            16384x8192x8192 / 8192x4096x14336 / 8192x4096x4096.
         recipe: ``"tensor"`` (default) or ``"row"`` (a scale a row of every fp8 copy: more accurate;
             needs ``scaling="dynamic"``).
         history: length of the amax history (delayed scaling).
