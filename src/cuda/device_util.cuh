@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <tuple>
+#include <utility>
 
 #include "common/cuda_check.h"
 
@@ -34,21 +36,57 @@ struct IndexRef {  // 2-D int32 / int64 view
   }
 };
 
-// Per-device facts the launches need, queried once per device (host calls, no sync):
-// the SM count of the current device.
-inline int sm_count() {
+// Device and kernel facts the launches need: queried once per key (device, kernel, ...) and cached
+// (host calls, no sync).
+template <class Key, class Query>
+int cached_fact(const Key& key, Query query) {
   static std::mutex mu;
-  static std::map<int, int> sms;
+  static std::map<Key, int> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  const int v = query();
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = v;
+  return v;
+}
+
+inline int current_device() {
   int dev = 0;
   MMFUSE_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = sms.find(dev);
-  if (it == sms.end()) {
+  return dev;
+}
+
+// Multiprocessors of the current device.
+inline int sm_count() {
+  const int dev = current_device();
+  return cached_fact(dev, [&] {
     int n = 0;
     MMFUSE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    it = sms.emplace(dev, n).first;
-  }
-  return it->second;
+    return n;
+  });
+}
+
+// Blocks of `kernel` (`threads` threads, `smem` dynamic bytes) resident at once on the current device.
+inline int resident_blocks(const void* kernel, int threads, size_t smem) {
+  return cached_fact(std::make_tuple(current_device(), kernel, threads, smem), [&] {
+    int per_sm = 0;
+    MMFUSE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    return per_sm * sm_count();
+  });
+}
+
+// __CUDA_ARCH__ / 10 of the code of `kernel` that runs on the current device (its PTX architecture:
+// also right when the driver compiles older PTX for a newer device), for kernels whose body exists
+// only from some architecture on.
+inline int kernel_arch(const void* kernel) {
+  return cached_fact(std::make_pair(current_device(), kernel), [&] {
+    cudaFuncAttributes attr{};
+    MMFUSE_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    return attr.ptxVersion;
+  });
 }
 
 inline IndexRef index_ref(const TensorView& v) {

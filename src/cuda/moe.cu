@@ -22,9 +22,6 @@
 #include <algorithm>
 #include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "common/cuda_check.h"
 #include "common/dispatch.h"
@@ -345,26 +342,8 @@ __device__ __forceinline__ void load_rows(const MapRef& m, int64_t k0, int64_t K
 
 using cuda::sm_count;
 
-// Blocks of `kernel` (kPlanThreads threads, `smem` dynamic bytes) resident at once on the device,
-// cached per (device, kernel, smem).
-int resident_blocks(const void* kernel, size_t smem) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, const void*, size_t>, int> cache;
-  int dev = 0;
-  MMFUSE_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_tuple(dev, kernel, smem);
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
-  int per_sm = 0;
-  MMFUSE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPlanThreads, smem));
-  const int n = per_sm * sm_count();
-  std::lock_guard<std::mutex> lock(mu);
-  cache[key] = n;
-  return n;
-}
+// Blocks of `kernel` (kPlanThreads threads, `smem` dynamic bytes) resident at once on the device.
+int resident_blocks(const void* kernel, size_t smem) { return cuda::resident_blocks(kernel, kPlanThreads, smem); }
 
 constexpr int kFlatThreads = 256, kPermUnroll = 4;
 

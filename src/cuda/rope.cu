@@ -1,17 +1,19 @@
-// CUDA backend of the rotary family: one kernel for text RoPE / mRoPE (both angle sources, all
-// layouts, both numerics modes, forward and adjoint) and vision RoPE (per-token angles).
+// CUDA backend of the rotary family: one general kernel for text RoPE / mRoPE (both angle sources,
+// all layouts, both numerics modes, forward and adjoint) and vision RoPE (per-token angles), and a
+// token-tile path (sm_90+, below) that vision RoPE takes where its rows allow it.
 //
-// A thread owns one token (t = b*L + l), one vector of `vec` half-channels and one group of heads:
-// it stages all of its group's rows of q and k into its own shared-memory slots with asynchronous
-// copies, computes (or reads from the table) the cos/sin of its channels once while they fly, keeps
-// the coefficients in registers, then rotates each row and stores it. No barrier: every thread is an
-// independent stream; the bytes in flight are bounded by shared memory, not registers.
+// General kernel: a thread owns one token (t = b*L + l), one vector of `vec` half-channels and one
+// group of heads: it stages all of its group's rows of q and k into its own shared-memory slots with
+// asynchronous copies, computes (or reads from the table) the cos/sin of its channels once while they
+// fly, keeps the coefficients in registers, then rotates each row and stores it. No barrier: every
+// thread is an independent stream; the bytes in flight are bounded by shared memory, not registers.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 
 #include "common/cuda_check.h"
 #include "common/dispatch.h"
+#include "cuda/device_util.cuh"
 #include "cuda/numerics.cuh"
 #include "mmfuse/rope.h"
 
@@ -239,6 +241,225 @@ __global__ void __launch_bounds__(512) rope_kernel(const RopeArgs a) {
   }
 }
 
+// ---- Token-tile path (sm_90+) -------------------------------------------------------------------
+// Per-token angles (vision RoPE: the freqs source) in fp32 numerics, on q/k whose rows of one token
+// are contiguous (head stride == D) and 16-byte aligned. A persistent block owns tiles of
+// kTileTokens tokens (tiles strided by the grid). Its thread 0 stages a whole tile -- the token's q
+// row, k row and angle row, one 1-D bulk copy (TMA) each, completing on the stage's mbarrier --
+// kTileStages - 1 tiles ahead; all threads then compute the tile's cos/sin once into a shared
+// table, rotate the staged rows in place and thread 0 writes them back with bulk stores. A few large
+// copies per token instead of a thread per 16 bytes: the copy engine keeps the bytes in flight and
+// the SM only does the arithmetic. Bitwise equal to rope_kernel (same operations in the same order).
+constexpr int kTileTokens = 2, kTileStages = 2, kTileThreads = 128;
+constexpr size_t kTileMaxSmem = 48 * 1024;  // the default dynamic shared-memory limit: no opt-in
+
+struct TileArgs {
+  const void* x[2];
+  void* y[2];
+  int64_t xs[2][2], ys[2][2];  // (b, l) strides of q, k and of q_out, k_out, in elements
+  int bytes[2];                // bytes of one token's q rows, k rows (heads * D * elem)
+  const float* freqs;
+  int64_t frs[2];              // freqs (b, l) strides; the last dim is contiguous
+  int64_t L, tokens;
+  int hv;                      // 16-byte vectors per half head
+  bool backward;
+};
+
+// Bytes of one coefficient group: (cos, sin) of the EV channels of one 16-byte vector, padded by 16
+// bytes so that the groups a quarter-warp reads start in distinct banks.
+template <class T>
+constexpr int tile_group_bytes() { return int(16 / sizeof(T)) * 8 + 16; }
+
+template <class T>
+size_t tile_smem(const TileArgs& a) {
+  const int half = a.hv * int(16 / sizeof(T));
+  return size_t(kTileStages) * kTileTokens * (a.bytes[0] + a.bytes[1] + half * 4) +
+         size_t(kTileTokens) * a.hv * tile_group_bytes<T>();
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return unsigned(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @p bra.uni DONE;\n"
+      " bra.uni WAIT;\n DONE:\n }\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// The tile's cos/sin into the table cs ([token][vector] groups), then every 16-byte vector pair
+// (x[j], x[j + h]) of the staged rows rotated in place.
+template <class T, int HV>
+__device__ __forceinline__ void tile_rotate(const TileArgs& a, unsigned char* rows, const float* fr,
+                                            unsigned char* cs, int nt, int W) {
+  using C = typename cuda::dcompute<T>::type;
+  constexpr int EV = int(16 / sizeof(T)), G = tile_group_bytes<T>();
+  using V = Vec<T, EV>;
+  const int hv = HV > 0 ? HV : a.hv, half = hv * EV, tid = threadIdx.x, nthr = blockDim.x;
+  for (int i = tid; i < nt * half; i += nthr) {
+    float sv, cv;
+    cuda::sincos_c(fr[i], &sv, &cv);
+    const int t = i / half, j = i - t * half;
+    *reinterpret_cast<float2*>(cs + (t * hv + j / EV) * G + (j % EV) * 8) = make_float2(cv, a.backward ? -sv : sv);
+  }
+  __syncthreads();
+  const int per_tok = W / (2 * half * int(sizeof(T))) * hv;  // (head row, vector) items of one token
+  for (int i = tid; i < nt * per_tok; i += nthr) {
+    const int t = i / per_tok, r = i - t * per_tok, row = r / hv, v = r - row * hv;
+    unsigned char* p = rows + t * W + (row * 2 * half + v * EV) * int(sizeof(T));
+    V* lo = reinterpret_cast<V*>(p);
+    V* hi = reinterpret_cast<V*>(p + half * sizeof(T));
+    const V x1 = *lo, x2 = *hi;
+    float4 c4[EV / 2];
+    const float4* g = reinterpret_cast<const float4*>(cs + (t * hv + v) * G);
+#pragma unroll
+    for (int u = 0; u < EV / 2; ++u) c4[u] = g[u];
+    const float* cf = reinterpret_cast<const float*>(c4);
+    V y1, y2;
+#pragma unroll
+    for (int e = 0; e < EV; ++e) {
+      const C a1 = cuda::dload(x1.v[e]), a2 = cuda::dload(x2.v[e]), c = cf[2 * e], sn = cf[2 * e + 1];
+      y1.v[e] = cuda::dstore<T>(cuda::sub_rn(cuda::mul_rn(a1, c), cuda::mul_rn(a2, sn)));
+      y2.v[e] = cuda::dstore<T>(cuda::add_rn(cuda::mul_rn(a2, c), cuda::mul_rn(a1, sn)));
+    }
+    *lo = y1;
+    *hi = y2;
+  }
+}
+
+template <class T, int HV>
+__global__ void __launch_bounds__(kTileThreads) rope_tile_kernel(const TileArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t bar[kTileStages];
+  constexpr int TOK = kTileTokens, S = kTileStages, E = int(sizeof(T));
+  const int hv = HV > 0 ? HV : a.hv, half = hv * (16 / E);
+  const int W = a.bytes[0] + a.bytes[1], fsb = half * 4, stage_bytes = TOK * (W + fsb);
+  unsigned char* cs = smem_raw + S * stage_bytes;
+  const int64_t ntiles = (a.tokens + TOK - 1) / TOK, stride = gridDim.x;
+  const int tid = threadIdx.x;
+  auto tile_tokens = [&](int64_t tile) { return int(min(int64_t(TOK), a.tokens - tile * TOK)); };
+  if (tid == 0) {
+    for (int i = 0; i < S; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(&bar[i])));
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  auto prefetch = [&](int64_t tile, int s) {  // thread 0
+    unsigned char* st = smem_raw + s * stage_bytes;
+    const int nt = tile_tokens(tile);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(&bar[s])),
+                 "r"(nt * (W + fsb))
+                 : "memory");
+    for (int t = 0; t < nt; ++t) {
+      const int64_t n = tile * TOK + t, b = n / a.L, l = n - b * a.L;
+      int off = t * W;
+      for (int w = 0; w < 2; ++w) {
+        if (a.bytes[w] == 0) continue;
+        const T* src = static_cast<const T*>(a.x[w]) + b * a.xs[w][0] + l * a.xs[w][1];
+        bulk_load(st + off, src, a.bytes[w], &bar[s]);
+        off += a.bytes[w];
+      }
+      bulk_load(st + TOK * W + t * fsb, a.freqs + b * a.frs[0] + l * a.frs[1], fsb, &bar[s]);
+    }
+  };
+  if (tid == 0)
+    for (int p = 0; p < S - 1; ++p)
+      if (blockIdx.x + p * stride < ntiles) prefetch(blockIdx.x + p * stride, p);
+  unsigned phase = 0;  // bit s: the parity stage s waits for next
+  int s = 0;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += stride) {
+    const int64_t ahead = tile + (S - 1) * stride;
+    if (tid == 0 && ahead < ntiles) {
+      // The stage to refill held the previous tile: its bulk stores must have read it.
+      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+      prefetch(ahead, (s + S - 1) % S);
+    }
+    mbar_wait(&bar[s], (phase >> s) & 1u);
+    phase ^= 1u << s;
+    unsigned char* st = smem_raw + s * stage_bytes;
+    const int nt = tile_tokens(tile);
+    tile_rotate<T, HV>(a, st, reinterpret_cast<const float*>(st + TOK * W), cs, nt, W);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the rotated rows, to the copy engine
+    __syncthreads();
+    if (tid == 0) {
+      for (int t = 0; t < nt; ++t) {
+        const int64_t n = tile * TOK + t, b = n / a.L, l = n - b * a.L;
+        int off = t * W;
+        for (int w = 0; w < 2; ++w) {
+          if (a.bytes[w] == 0) continue;
+          bulk_store(static_cast<T*>(a.y[w]) + b * a.ys[w][0] + l * a.ys[w][1], st + off, a.bytes[w]);
+          off += a.bytes[w];
+        }
+      }
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
+    s = (s + 1) % S;
+  }
+  if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#else
+  __trap();  // never launched: the host checks kernel_arch
+#endif
+}
+
+template <class T>
+auto tile_kernel(const TileArgs& t) {
+  return t.hv == 5 ? rope_tile_kernel<T, 5>
+       : t.hv == 4 ? rope_tile_kernel<T, 4>
+       : t.hv == 8 ? rope_tile_kernel<T, 8>
+                   : rope_tile_kernel<T, 0>;
+}
+
+// The token-tile path's arguments when it can take the call (conditions above; the device is
+// machine code is sm_90+), else false.
+template <class T>
+bool tile_args(const RopeArgs& a, int64_t B, int D, TileArgs& t) {
+  constexpr int E = int(sizeof(T)), EV = 16 / E;
+  if (a.source != Source::kFreqs || a.params.numerics != RopeNumerics::kFp32 || a.half % EV != 0) return false;
+  if (a.frs[2] != 1 || reinterpret_cast<uintptr_t>(a.freqs) % 16 != 0) return false;
+  if ((B > 1 && a.frs[0] * 4 % 16 != 0) || (a.L > 1 && a.frs[1] * 4 % 16 != 0)) return false;
+  for (int w = 0; w < 2; ++w) {
+    t.bytes[w] = a.heads[w] * D * E;
+    t.x[w] = a.x[w], t.y[w] = a.y[w];
+    for (int d = 0; d < 2; ++d) t.xs[w][d] = a.xs[w][d], t.ys[w][d] = a.ys[w][d];
+    if (a.heads[w] == 0) continue;
+    if (a.heads[w] > 1 && (a.xs[w][2] != D || a.ys[w][2] != D)) return false;
+    if (reinterpret_cast<uintptr_t>(a.x[w]) % 16 != 0 || reinterpret_cast<uintptr_t>(a.y[w]) % 16 != 0) return false;
+    if (B > 1 && (a.xs[w][0] * E % 16 != 0 || a.ys[w][0] * E % 16 != 0)) return false;
+    if (a.L > 1 && (a.xs[w][1] * E % 16 != 0 || a.ys[w][1] * E % 16 != 0)) return false;
+  }
+  t.freqs = a.freqs;
+  t.frs[0] = a.frs[0], t.frs[1] = a.frs[1];
+  t.L = a.L, t.tokens = a.tokens;
+  t.hv = a.half / EV;
+  t.backward = a.params.backward;
+  return tile_smem<T>(t) <= kTileMaxSmem && cuda::kernel_arch(reinterpret_cast<const void*>(tile_kernel<T>(t))) >= 90;
+}
+
+template <class T>
+void launch_tile(const TileArgs& t, cudaStream_t stream) {
+  const auto kernel = tile_kernel<T>(t);
+  const size_t smem = tile_smem<T>(t);
+  const int64_t tiles = (t.tokens + kTileTokens - 1) / kTileTokens;
+  const int64_t resident = cuda::resident_blocks(reinterpret_cast<const void*>(kernel), kTileThreads, smem);
+  const unsigned grid = unsigned(std::max<int64_t>(1, std::min(tiles, resident)));
+  kernel<<<grid, kTileThreads, smem, stream>>>(t);
+  MMFUSE_CUDA_CHECK_LAUNCH("rope_tile_kernel");
+}
+
 // Largest power-of-two elements-per-access (<= 16 bytes) that every pointer and stride allows.
 int max_vec_for(const RopeArgs& a, int elem) {
   int vec = 16 / elem;
@@ -326,6 +547,13 @@ void mrope_cuda(const TensorView& q, const TensorView& k, const RopeAngles& ang,
   const int Hh = a.heads[0] + a.heads[1];
   dispatch_floating(q.dtype, "q", [&](auto tag) {
     using T = typename cuda::device_type<typename decltype(tag)::type>::type;
+    if constexpr (sizeof(T) <= 4) {
+      TileArgs t{};
+      if (tile_args<T>(a, q.shape[0], int(q.shape[3]), t)) {
+        launch_tile<T>(t, stream);
+        return;
+      }
+    }
     const RopeLaunch s = rope_launch_shape(a.tokens, Hh, int(q.shape[3]), int(sizeof(T)), max_vec_for(a, int(sizeof(T))));
     a.table_vec = a.source == Source::kTableSame && table_vectorizable(a, ang, s.vec, int(sizeof(T)));
     a.tokens_per_block = s.tokens_per_block;

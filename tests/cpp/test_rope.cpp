@@ -241,6 +241,7 @@ std::vector<Case> cases() {
           for (bool bwd : {false, true}) cs.push_back({2, 13, 5, 3, D, lay, num, src, bwd, D == 128});
   cs.push_back({1, 67, 16, 16, 80, RopeLayout::kPlain, RopeNumerics::kFp32, Src::kFreqs, false, false});
   cs.push_back({1, 67, 16, 16, 80, RopeLayout::kPlain, RopeNumerics::kFp32, Src::kFreqs, true, false});
+  cs.push_back({1, 50, 4, 0, 80, RopeLayout::kPlain, RopeNumerics::kFp32, Src::kFreqs, false, false});  // no k heads
   return cs;
 }
 
@@ -451,6 +452,17 @@ void run_cuda_vs_cpu(const Case& c) {
   for (size_t i = 0; i < got.size(); ++i)
     ASSERT_TRUE(test::bits_equal(got[i], ref[i]) || (std::isnan(as_double(got[i])) && std::isnan(as_double(ref[i]))))
         << "index " << i << ": cuda " << as_double(got[i]) << " cpu " << as_double(ref[i]);
+
+  // In place (outputs are the inputs) gives bitwise the same q/k rows and leaves the rest alone.
+  pb.views(dqk.ptr, dqk.ptr, dev, q, k, qo, ko);
+  mrope(q, k, da, pb.p, qo, ko, nullptr);
+  const std::vector<T> in_place = dqk.download();
+  for (int64_t t = 0; t < pb.tokens(); ++t)
+    for (int64_t e = 0; e < pb.heads_total * c.D; ++e) {
+      const size_t i = size_t(t * pb.heads_total * c.D + e);
+      const T& want = e < (c.Hq + c.Hk) * c.D ? got[i] : pb.qk[i];
+      ASSERT_TRUE(test::bits_equal(in_place[i], want)) << "in place differs at " << i;
+    }
 }
 
 TEST(RopeCuda, BitwiseEqualToCpu) {
@@ -458,7 +470,22 @@ TEST(RopeCuda, BitwiseEqualToCpu) {
   std::vector<Case> cs = cases();
   cs.push_back({3, 1000, 28, 4, 128, RopeLayout::kSectioned, RopeNumerics::kFp32, Src::kPositions, false, true});
   cs.push_back({3, 1000, 28, 4, 128, RopeLayout::kSectioned, RopeNumerics::kHfEager, Src::kTable, true, false});
-  cs.push_back({1, 4099, 16, 16, 80, RopeLayout::kPlain, RopeNumerics::kFp32, Src::kFreqs, false, false});
+  // Per-token angles: the token-tile path (sm_90+) at the vision head dim and others (templated and
+  // runtime vector counts, D = 72 only in fp32), fused qkv, batches whose tiles straddle rows, k
+  // absent, many tiles per block; the generic kernel for what it cannot take (hf_eager, odd D).
+  const auto plain = RopeLayout::kPlain;
+  const auto fp32 = RopeNumerics::kFp32;
+  for (bool bwd : {false, true}) {
+    cs.push_back({1, 4099, 16, 16, 80, plain, fp32, Src::kFreqs, bwd, false});
+    cs.push_back({1, 333, 16, 16, 80, plain, fp32, Src::kFreqs, bwd, true});
+    cs.push_back({3, 77, 5, 3, 64, plain, fp32, Src::kFreqs, bwd, false});
+    cs.push_back({2, 45, 3, 2, 128, plain, fp32, Src::kFreqs, bwd, true});
+    cs.push_back({1, 129, 4, 4, 96, plain, fp32, Src::kFreqs, bwd, false});
+    cs.push_back({1, 101, 4, 2, 72, plain, fp32, Src::kFreqs, bwd, false});
+    cs.push_back({1, 50, 4, 0, 80, plain, fp32, Src::kFreqs, bwd, false});
+    cs.push_back({1, 40001, 2, 1, 16, plain, fp32, Src::kFreqs, bwd, false});
+    cs.push_back({2, 63, 4, 4, 80, plain, RopeNumerics::kHfEager, Src::kFreqs, bwd, false});
+  }
   for (const Case& c : cs) {
     run_cuda_vs_cpu<bf16>(c);
     run_cuda_vs_cpu<f16>(c);
