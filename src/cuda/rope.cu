@@ -15,6 +15,7 @@
 #include "common/dispatch.h"
 #include "cuda/device_util.cuh"
 #include "cuda/numerics.cuh"
+#include "cuda/tma.cuh"
 #include "mmfuse/rope.h"
 
 namespace mmfuse {
@@ -277,28 +278,10 @@ size_t tile_smem(const TileArgs& a) {
          size_t(kTileTokens) * a.hv * tile_group_bytes<T>();
 }
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return unsigned(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_addr(src)),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @p bra.uni DONE;\n"
-      " bra.uni WAIT;\n DONE:\n }\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
+using cuda::bulk_load;
+using cuda::bulk_store;
+using cuda::mbar_wait;
+using cuda::smem_addr;
 
 // The tile's cos/sin into the table cs ([token][vector] groups), then every 16-byte vector pair
 // (x[j], x[j + h]) of the staged rows rotated in place.
@@ -354,16 +337,14 @@ __global__ void __launch_bounds__(kTileThreads) rope_tile_kernel(const TileArgs 
   auto tile_tokens = [&](int64_t tile) { return int(min(int64_t(TOK), a.tokens - tile * TOK)); };
   if (tid == 0) {
     for (int i = 0; i < S; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(&bar[i])));
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      cuda::mbar_init(&bar[i], 1);
+    cuda::fence_mbar_init();
   }
   __syncthreads();
   auto prefetch = [&](int64_t tile, int s) {  // thread 0
     unsigned char* st = smem_raw + s * stage_bytes;
     const int nt = tile_tokens(tile);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(&bar[s])),
-                 "r"(nt * (W + fsb))
-                 : "memory");
+    cuda::mbar_arrive_expect_tx(&bar[s], unsigned(nt * (W + fsb)));
     for (int t = 0; t < nt; ++t) {
       const int64_t n = tile * TOK + t, b = n / a.L, l = n - b * a.L;
       int off = t * W;
@@ -385,7 +366,7 @@ __global__ void __launch_bounds__(kTileThreads) rope_tile_kernel(const TileArgs 
     const int64_t ahead = tile + (S - 1) * stride;
     if (tid == 0 && ahead < ntiles) {
       // The stage to refill held the previous tile: its bulk stores must have read it.
-      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+      cuda::bulk_wait_read<0>();
       prefetch(ahead, (s + S - 1) % S);
     }
     mbar_wait(&bar[s], (phase >> s) & 1u);
@@ -393,7 +374,7 @@ __global__ void __launch_bounds__(kTileThreads) rope_tile_kernel(const TileArgs 
     unsigned char* st = smem_raw + s * stage_bytes;
     const int nt = tile_tokens(tile);
     tile_rotate<T, HV>(a, st, reinterpret_cast<const float*>(st + TOK * W), cs, nt, W);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the rotated rows, to the copy engine
+    cuda::fence_proxy_async();  // the rotated rows, to the copy engine
     __syncthreads();
     if (tid == 0) {
       for (int t = 0; t < nt; ++t) {
@@ -405,11 +386,11 @@ __global__ void __launch_bounds__(kTileThreads) rope_tile_kernel(const TileArgs 
           off += a.bytes[w];
         }
       }
-      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      cuda::bulk_commit();
     }
     s = (s + 1) % S;
   }
-  if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  if (tid == 0) cuda::bulk_wait_all();
 #else
   __trap();  // never launched: the host checks kernel_arch
 #endif

@@ -293,6 +293,12 @@ TEST(MoeCuda, RowsEqualCpu) {
       rows_equal_cpu<float>(rng, T, K, E, H, keep, 0, true, st.s);
       rows_equal_cpu<double>(rng, T, K, E, H, 0, 3, true, st.s);
     }
+  // many tokens a block: the token-tile paths' batches of 32 map reads and their stages wrapping around
+  for (int64_t H : {64, 200})
+    for (auto [T, K, E] : {std::tuple<int64_t, int64_t, int64_t>{70001, 1, 2}, {70001, 2, 8}, {40001, 8, 64}}) {
+      rows_equal_cpu<bf16>(rng, T, K, E, H, T * K * 3 / 4, 5, true, st.s);
+      rows_equal_cpu<float>(rng, T, K, E, H, 0, 0, false, st.s);
+    }
 }
 
 TEST(MoeCuda, PermutesFp8RowsAndIsDeterministic) {
