@@ -404,7 +404,7 @@ auto tile_kernel(const TileArgs& t) {
                    : rope_tile_kernel<T, 0>;
 }
 
-// The token-tile path's arguments when it can take the call (conditions above; the device is
+// The token-tile path's arguments when it can take the call (conditions above; the kernel's
 // machine code is sm_90+), else false.
 template <class T>
 bool tile_args(const RopeArgs& a, int64_t B, int D, TileArgs& t) {
