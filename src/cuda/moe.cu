@@ -503,150 +503,6 @@ __global__ void __launch_bounds__(kFlatThreads) moe_unpermute_kernel(const S* __
   if (bad.t >= 0) bad_row("moe_unpermute", map, bad.k, bad.t, N);
 }
 
-// ---- unpermute, token-tile path (sm_90+) ----
-// Rows of 16-byte multiples, K <= kTileMaxK, 16- and 32-bit types. A persistent block owns a
-// contiguous range of tokens and keeps `stages` tokens' rows of y in flight: each stage holds the K
-// rows of one token, staged with one 1-D bulk copy (TMA) a row, completing on the stage's mbarrier.
-// A step: all threads wait for the token's stage, sum its rows (fp32, in k order: the operations
-// of moe_unpermute_kernel, so bitwise equal) and store out[t]; after a block barrier warp 0 refills
-// the stage with the token `stages` ahead (its row_id_map entries and probabilities are read 32
-// tokens at a time, a batch ahead). The copy engine keeps the bytes in flight, not registers.
-constexpr int kTileMaxK = 8, kTileMaxStages = 16, kTileThreads = 256;
-constexpr size_t kTileSmemBudget = 192 * 1024;
-
-struct UnpermuteTileArgs {
-  const char* y;
-  int64_t ys, N;  // y row stride in bytes, rows
-  char* out;
-  int64_t os;     // bytes
-  MapRef map;
-  const float* probs;
-  int64_t ps0, ps1, T, per_block;
-  int K, row_bytes, stages;
-};
-
-// Shared memory of the tile path: the stages' rows, then each stage's rows and weights (kTileMaxK
-// each), then the stages' barriers.
-size_t unpermute_tile_smem(int K, int row_bytes, int stages) {
-  return size_t(stages) * (size_t(K) * row_bytes + kTileMaxK * 8 + 8);
-}
-
-// Warp 0's map entries and weights of 32 tokens from t0 (lane l: token t0 + l; -1 past t_end).
-struct TileBatch {
-  int32_t r[kTileMaxK];
-  float w[kTileMaxK];
-};
-
-__device__ __forceinline__ void load_batch(const UnpermuteTileArgs& a, int64_t t0, int64_t t_end, TileBatch& b,
-                                           BadEntry& bad) {
-  const int64_t t = t0 + (threadIdx.x & 31);
-  if (t < t_end) {
-    load_rows<kTileMaxK>(a.map, 0, a.K, t, a.N, b.r, bad);
-  } else {
-#pragma unroll
-    for (int kk = 0; kk < kTileMaxK; ++kk) b.r[kk] = -1;
-  }
-#pragma unroll
-  for (int kk = 0; kk < kTileMaxK; ++kk) b.w[kk] = a.probs && b.r[kk] >= 0 ? a.probs[t * a.ps0 + kk * a.ps1] : 1.0f;
-}
-
-template <class S>
-__global__ void __launch_bounds__(kTileThreads) moe_unpermute_tile_kernel(const UnpermuteTileArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using C = typename dcompute<S>::type;
-  constexpr int VEC = int(16 / sizeof(S));
-  using W = Vec<S, VEC>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int NS = a.stages, K = a.K, RB = a.row_bytes;
-  int32_t* mrow = reinterpret_cast<int32_t*>(smem + size_t(NS) * K * RB);
-  float* mw = reinterpret_cast<float*>(mrow + NS * kTileMaxK);
-  uint64_t* full = reinterpret_cast<uint64_t*>(mw + NS * kTileMaxK);
-  const int tid = threadIdx.x, lane = tid & 31;
-  const int64_t t_begin = int64_t(blockIdx.x) * a.per_block, t_end = min(a.T, t_begin + a.per_block);
-  const int64_t cnt = t_end - t_begin;
-  if (tid == 0) {
-    for (int i = 0; i < NS; ++i) cuda::mbar_init(&full[i], 1);
-    cuda::fence_mbar_init();
-  }
-  __syncthreads();
-  BadEntry bad;
-  TileBatch cur, nxt;  // warp 0: the batch of token m (m / 32 == batch) and the one after it
-  int64_t batch = 0;
-  // Warp 0: token m of the range into stage m % NS (m < cnt; m increases by one a call).
-  auto produce = [&](int64_t m) {
-    if (m / 32 != batch) {
-      batch = m / 32;
-      cur = nxt;
-      load_batch(a, t_begin + (batch + 1) * 32, t_end, nxt, bad);
-    }
-    const int i = int(m % 32), st = int(m % NS);
-    int32_t ri[kTileMaxK];
-    float wi[kTileMaxK];
-#pragma unroll
-    for (int kk = 0; kk < kTileMaxK; ++kk) {
-      ri[kk] = __shfl_sync(0xffffffffu, cur.r[kk], i);
-      wi[kk] = __shfl_sync(0xffffffffu, cur.w[kk], i);
-    }
-    if (lane == 0) {
-      unsigned bytes = 0;
-#pragma unroll
-      for (int kk = 0; kk < kTileMaxK; ++kk) {
-        if (kk >= K) break;
-        mrow[st * kTileMaxK + kk] = ri[kk];
-        mw[st * kTileMaxK + kk] = wi[kk];
-        bytes += ri[kk] >= 0 ? unsigned(RB) : 0u;
-      }
-      cuda::mbar_arrive_expect_tx(&full[st], bytes);
-#pragma unroll
-      for (int kk = 0; kk < kTileMaxK; ++kk)
-        if (kk < K && ri[kk] >= 0)
-          cuda::bulk_load(smem + (size_t(st) * K + kk) * RB, a.y + int64_t(ri[kk]) * a.ys, RB, &full[st]);
-    }
-  };
-  if (tid < 32) {
-    load_batch(a, t_begin, t_end, cur, bad);
-    load_batch(a, t_begin + 32, t_end, nxt, bad);
-    for (int64_t m = 0; m < min(int64_t(NS), cnt); ++m) produce(m);
-  }
-  __syncthreads();  // the first stages' map entries and weights
-  const uint32_t V = uint32_t(RB / 16);
-  for (int64_t n = 0; n < cnt; ++n) {
-    const int st = int(n % NS);
-    cuda::mbar_wait(&full[st], unsigned(n / NS) & 1u);
-    int32_t ri[kTileMaxK];
-    C wi[kTileMaxK];
-#pragma unroll
-    for (int kk = 0; kk < kTileMaxK; ++kk) {
-      ri[kk] = kk < K ? mrow[st * kTileMaxK + kk] : -1;
-      wi[kk] = kk < K ? C(mw[st * kTileMaxK + kk]) : C(1);
-    }
-    const unsigned char* rows = smem + size_t(st) * K * RB;
-    char* o_row = a.out + (t_begin + n) * a.os;
-    for (uint32_t col = tid; col < V; col += kTileThreads) {
-      C acc[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[e] = C(0);
-#pragma unroll
-      for (int kk = 0; kk < kTileMaxK; ++kk) {
-        if (ri[kk] < 0) continue;
-        const W v = reinterpret_cast<const W*>(rows + size_t(kk) * RB)[col];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[e] = cuda::add_rn(acc[e], cuda::mul_rn(wi[kk], C(cuda::dload(v.v[e]))));
-      }
-      W o;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) o.v[e] = cuda::dstore<S>(acc[e]);
-      reinterpret_cast<W*>(o_row)[col] = o;
-    }
-    __syncthreads();  // every thread is done with stage st
-    if (tid < 32 && n + NS < cnt) produce(n + NS);
-  }
-  if (bad.t >= 0) bad_row("moe_unpermute", a.map, bad.k, bad.t, a.N);
-#else
-  __trap();  // never launched: the host checks kernel_arch
-#endif
-}
-
 __device__ __noinline__ void duplicate_row(int32_t r) {
   MMFUSE_DEVICE_FAIL("moe_unpermute_backward: row_id_map: row %d is the destination of two entries", r);
 }
@@ -755,6 +611,300 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
   if (dup >= 0) duplicate_row(dup);
 }
 
+// ---- token-tile paths (sm_90+): unpermute and its backward ----
+// Rows of 16-byte multiples, 2 <= K <= kTileMaxK. A persistent block owns a contiguous range of
+// tokens. Its last warp is the producer: it reads the row_id_map 32 tokens at a time (a batch
+// ahead) and stages each token in its stage, one 1-D bulk copy (TMA) a row, completing on the
+// stage's `full` mbarrier, once the stage's previous token has been released on its `empty`
+// mbarrier. The consumer warps never wait for each other or for a block barrier; they read the map
+// entries and probabilities themselves, the same way (cache hits), so that only the copy engine
+// writes shared memory, and every consumer thread arrives on `empty` itself (an arrival releases
+// only the arriving thread's reads; racecheck holds us to that).
+// - unpermute: a stage holds token t's K rows of y; all 256 consumer threads sum them in fp32 in k
+//   order (columns over the threads), the operations of moe_unpermute_kernel: bitwise equal.
+// - backward: a stage holds dout[t] and, when dprobs is wanted, token t's K rows of y; consumer
+//   warp w < W owns the tokens w (mod W) and stages of its own (W = min(8, stages that fit)), so a
+//   token's dot products need warp sums only.
+constexpr int kTileMaxK = 8, kTileMaxStages = 16, kTileConsumers = 8, kTileThreads = 32 * (kTileConsumers + 1);
+constexpr size_t kTileSmemBudget = 224 * 1024;
+
+struct TileArgs {
+  const char* y;  // rows ys bytes apart, N rows
+  int64_t ys, N;
+  const char* g;  // backward: dout rows (gs bytes apart); unpermute: nullptr
+  int64_t gs;
+  char* out;  // unpermute: out; backward: dy (rows os bytes apart)
+  int64_t os;
+  MapRef map;
+  const float* probs;
+  int64_t ps0, ps1;
+  float* dprobs;  // backward, nullptr when not wanted
+  int64_t dps0, dps1;
+  uint32_t* covered;  // backward: the bitmap of the rows written
+  int64_t T, per_block;
+  int K, row_bytes;
+  int stage_bytes;  // a stage: [the g row] then, if stage_y, the token's K rows of y
+  int stages;
+  int seqs;  // stage sequences: token m goes to sequence m % seqs (its stages: stages / seqs)
+  bool stage_y;
+};
+
+// Stage and fill number (0, 1, ...) of token m of the block's range. Each sequence's consumers take
+// every fill of their stages in order, so a wait on a fill's parity can never see an older phase.
+__device__ __forceinline__ void tile_slot(const TileArgs& a, uint32_t m, int& st, uint32_t& fill) {
+  const uint32_t per = uint32_t(a.stages / a.seqs), j = m / uint32_t(a.seqs);
+  st = int(m % uint32_t(a.seqs) * per + j % per);
+  fill = j / per;
+}
+
+// Shared memory of a tile kernel: the stages, then their full and empty barriers.
+size_t tile_smem(int stage_bytes, int stages) { return size_t(stages) * (size_t(stage_bytes) + 16); }
+
+struct TileSmem {
+  unsigned char* stages;
+  uint64_t* full;
+  uint64_t* empty;
+};
+
+// Carves the shared memory and initialises the barriers (`releases` arrivals empty a stage); a block barrier.
+__device__ __forceinline__ TileSmem tile_setup(const TileArgs& a, unsigned char* smem, unsigned releases) {
+  TileSmem s;
+  s.stages = smem;
+  s.full = reinterpret_cast<uint64_t*>(smem + size_t(a.stages) * a.stage_bytes);
+  s.empty = s.full + a.stages;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < a.stages; ++i) {
+      cuda::mbar_init(&s.full[i], 1);
+      cuda::mbar_init(&s.empty[i], releases);
+    }
+    cuda::fence_mbar_init();
+  }
+  __syncthreads();
+  return s;
+}
+
+// A warp's walk over the tokens first, first + step, ... (< t_end): lane l holds the map entries
+// and weights of one token of the current batch of 32 and of the next (loaded a batch ahead), and
+// next() hands every lane those of the walk's next token. Bad entries are recorded in `bad` and
+// read as -1; entries past K and tokens past t_end, -1.
+struct TileWalk {
+  int32_t r[kTileMaxK], rn[kTileMaxK];
+  float w[kTileMaxK], wn[kTileMaxK];
+  int64_t first, step, t_end;
+  uint32_t j = 0;
+
+  __device__ __forceinline__ void load(const TileArgs& a, int64_t b, int32_t (&r_)[kTileMaxK],
+                                       float (&w_)[kTileMaxK], BadEntry& bad) {
+    const int64_t t = first + (b * 32 + (threadIdx.x & 31)) * step;
+    if (t < t_end) {
+      load_rows<kTileMaxK>(a.map, 0, a.K, t, a.N, r_, bad);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kTileMaxK; ++kk) r_[kk] = -1;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kTileMaxK; ++kk)  // not waiting for r: the weight of an entry kept or not
+      w_[kk] = a.probs && kk < a.K && t < t_end ? a.probs[t * a.ps0 + kk * a.ps1] : 1.0f;
+  }
+  __device__ __forceinline__ TileWalk(const TileArgs& a, int64_t first_, int64_t step_, int64_t t_end_, BadEntry& bad)
+      : first(first_), step(step_), t_end(t_end_) {
+    load(a, 0, r, w, bad);
+    load(a, 1, rn, wn, bad);
+  }
+  // The next token's entries and weights (kk < K), the same in every lane.
+  __device__ __forceinline__ void next(const TileArgs& a, int32_t (&ro)[kTileMaxK], float (&wo)[kTileMaxK],
+                                       BadEntry& bad) {
+    const int i = int(j & 31u);
+    if (i == 0 && j > 0) {
+#pragma unroll
+      for (int kk = 0; kk < kTileMaxK; ++kk) r[kk] = rn[kk], w[kk] = wn[kk];
+      load(a, int64_t(j / 32 + 1), rn, wn, bad);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kTileMaxK; ++kk) {
+      ro[kk] = -1, wo[kk] = 1.0f;
+      if (kk < a.K) {
+        ro[kk] = __shfl_sync(0xffffffffu, r[kk], i);
+        wo[kk] = __shfl_sync(0xffffffffu, w[kk], i);
+      }
+    }
+    ++j;
+  }
+};
+
+// The producer warp: every token of [t_begin, t_end) into its stage, in order.
+__device__ __forceinline__ void tile_produce(const TileArgs& a, const TileSmem& s, int64_t t_begin, int64_t t_end,
+                                             BadEntry& bad) {
+  const int lane = threadIdx.x & 31, RB = a.row_bytes, lead = a.g ? 1 : 0;
+  TileWalk walk(a, t_begin, 1, t_end, bad);
+  for (int64_t m = 0; m < t_end - t_begin; ++m) {
+    int32_t r[kTileMaxK];
+    float w[kTileMaxK];
+    walk.next(a, r, w, bad);
+    if (lane == 0) {
+      int st;
+      uint32_t fill;
+      tile_slot(a, uint32_t(m), st, fill);
+      if (fill > 0) cuda::mbar_wait(&s.empty[st], (fill - 1) & 1u);  // the stage's previous token released
+      unsigned char* dst = s.stages + size_t(st) * a.stage_bytes;
+      unsigned bytes = lead ? unsigned(RB) : 0u;
+#pragma unroll
+      for (int kk = 0; kk < kTileMaxK; ++kk) bytes += a.stage_y && r[kk] >= 0 ? unsigned(RB) : 0u;
+      cuda::mbar_arrive_expect_tx(&s.full[st], bytes);
+      if (lead) cuda::bulk_load(dst, a.g + (t_begin + m) * a.gs, RB, &s.full[st]);
+      if (a.stage_y) {
+#pragma unroll
+        for (int kk = 0; kk < kTileMaxK; ++kk)
+          if (r[kk] >= 0) cuda::bulk_load(dst + (lead + kk) * RB, a.y + int64_t(r[kk]) * a.ys, RB, &s.full[st]);
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// The 256 consumer threads of a one-sequence kernel: every token t of [t_begin, t_end) in order,
+// body(t, r, w, stage) once its stage is full.
+template <class F>
+__device__ __forceinline__ void tile_consume(const TileArgs& a, const TileSmem& s, int64_t t_begin, int64_t t_end,
+                                             F&& body) {
+  BadEntry ignored;  // the producer reports
+  TileWalk walk(a, t_begin, 1, t_end, ignored);
+  int st = 0;
+  unsigned ph = 0;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    int32_t r[kTileMaxK];
+    float w[kTileMaxK];
+    walk.next(a, r, w, ignored);
+    const unsigned char* stage = s.stages + size_t(st) * a.stage_bytes;
+    cuda::mbar_wait(&s.full[st], ph);
+    body(t, r, w, stage);
+    cuda::mbar_arrive(&s.empty[st]);
+    if (++st == a.stages) st = 0, ph ^= 1u;
+  }
+}
+
+template <class S>
+__global__ void __launch_bounds__(kTileThreads) moe_unpermute_tile_kernel(const TileArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using C = typename dcompute<S>::type;
+  constexpr int VEC = int(16 / sizeof(S));
+  using W = Vec<S, VEC>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const TileSmem s = tile_setup(a, smem, 32 * kTileConsumers);
+  const int64_t t_begin = int64_t(blockIdx.x) * a.per_block, t_end = min(a.T, t_begin + a.per_block);
+  if (threadIdx.x >= 32 * kTileConsumers) {
+    BadEntry bad;
+    tile_produce(a, s, t_begin, t_end, bad);
+    if (bad.t >= 0) bad_row("moe_unpermute", a.map, bad.k, bad.t, a.N);
+    return;
+  }
+  const int RB = a.row_bytes;
+  const uint32_t V = uint32_t(RB / 16);
+  tile_consume(a, s, t_begin, t_end, [&](int64_t t, const int32_t(&r)[kTileMaxK], const float(&w)[kTileMaxK],
+                                         const unsigned char* rows) {
+    for (uint32_t col = threadIdx.x; col < V; col += 32 * kTileConsumers) {
+      C acc[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[e] = C(0);
+#pragma unroll
+      for (int kk = 0; kk < kTileMaxK; ++kk) {
+        if (r[kk] < 0) continue;
+        const W v = reinterpret_cast<const W*>(rows + size_t(kk) * RB)[col];
+        const C wk = C(w[kk]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] = cuda::add_rn(acc[e], cuda::mul_rn(wk, C(cuda::dload(v.v[e]))));
+      }
+      W o;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) o.v[e] = cuda::dstore<S>(acc[e]);
+      reinterpret_cast<W*>(a.out + t * a.os)[col] = o;
+    }
+  });
+#else
+  __trap();  // never launched: the host checks kernel_arch
+#endif
+}
+
+template <class S>
+__global__ void __launch_bounds__(kTileThreads) moe_unpermute_bwd_tile_kernel(const TileArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using C = typename dcompute<S>::type;
+  constexpr int VEC = int(16 / sizeof(S));
+  using W = Vec<S, VEC>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const TileSmem s = tile_setup(a, smem, 32);
+  const int64_t t_begin = int64_t(blockIdx.x) * a.per_block, t_end = min(a.T, t_begin + a.per_block);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, RB = a.row_bytes;
+  if (warp == kTileConsumers) {
+    BadEntry bad;
+    tile_produce(a, s, t_begin, t_end, bad);
+    if (bad.t >= 0) bad_row("moe_unpermute_backward", a.map, bad.k, bad.t, a.N);
+    return;
+  }
+  if (warp >= a.seqs) return;
+  const uint32_t V = uint32_t(RB / 16);
+  int32_t dup = -1;  // a row this lane found marked already
+  BadEntry ignored;  // the producer reports
+  TileWalk walk(a, t_begin + warp, a.seqs, t_end, ignored);
+  for (int64_t m = warp; m < t_end - t_begin; m += a.seqs) {
+    const int64_t t = t_begin + m;
+    int32_t r[kTileMaxK];
+    float wf[kTileMaxK];
+    walk.next(a, r, wf, ignored);
+    int32_t rl = -1;  // lane kk: entry kk, marked in the bitmap of the rows written
+#pragma unroll
+    for (int kk = 0; kk < kTileMaxK; ++kk)
+      if (lane == kk) rl = r[kk];
+    uint32_t bit = 0, old = 0;
+    if (rl >= 0) {
+      bit = 1u << (rl & 31);
+      old = atomicOr(&a.covered[rl >> 5], bit);
+    }
+    C w[kTileMaxK], dot[kTileMaxK];
+#pragma unroll
+    for (int kk = 0; kk < kTileMaxK; ++kk) w[kk] = C(wf[kk]), dot[kk] = C(0);
+    int st;
+    uint32_t fill;
+    tile_slot(a, uint32_t(m), st, fill);
+    const unsigned char* stage = s.stages + size_t(st) * a.stage_bytes;
+    cuda::mbar_wait(&s.full[st], fill & 1u);
+    for (uint32_t col = lane; col < V; col += 32) {
+      const W g = reinterpret_cast<const W*>(stage)[col];
+#pragma unroll
+      for (int kk = 0; kk < kTileMaxK; ++kk) {
+        if (r[kk] < 0) continue;
+        W d;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) d.v[e] = cuda::dstore<S>(cuda::mul_rn(w[kk], C(cuda::dload(g.v[e]))));
+        reinterpret_cast<W*>(a.out + int64_t(r[kk]) * a.os)[col] = d;
+        if (a.stage_y) {
+          const W v = reinterpret_cast<const W*>(stage + size_t(1 + kk) * RB)[col];
+#pragma unroll
+          for (int e = 0; e < VEC; ++e)
+            dot[kk] = cuda::add_rn(dot[kk], cuda::mul_rn(C(cuda::dload(g.v[e])), C(cuda::dload(v.v[e]))));
+        }
+      }
+    }
+    cuda::mbar_arrive(&s.empty[st]);  // every lane: an arrival releases the arriving thread's reads only
+    if (old & bit) dup = rl;
+    if (a.dprobs) {
+      C mine = C(0);
+#pragma unroll
+      for (int kk = 0; kk < kTileMaxK; ++kk) {
+        if (kk >= a.K) break;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) dot[kk] = cuda::add_rn(dot[kk], __shfl_xor_sync(0xffffffffu, dot[kk], o));
+        if (lane == kk) mine = dot[kk];
+      }
+      if (lane < a.K) a.dprobs[t * a.dps0 + lane * a.dps1] = rl >= 0 ? float(mine) : 0.0f;
+    }
+  }
+  if (dup >= 0) duplicate_row(dup);
+#else
+  __trap();  // never launched: the host checks kernel_arch
+#endif
+}
+
 // Zeroes the rows of dy no entry mapped to: a block looks at 256 rows' bits, then clears those rows.
 template <int B>
 __global__ void __launch_bounds__(256) moe_zero_rows_kernel(const uint32_t* __restrict__ covered, char* __restrict__ dy,
@@ -779,6 +929,52 @@ __global__ void __launch_bounds__(256) moe_zero_rows_kernel(const uint32_t* __re
 void set_smem(const void* kernel, size_t bytes) {
   if (bytes > 48 * 1024)
     MMFUSE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+// The token-tile kernel `fn` where it applies (rows of 16-byte vectors, 2 <= K <= kTileMaxK, two
+// stages at least in the budget, an sm_90+ kernel); false: the caller takes the general kernel. `a`
+// has all but the launch shape: stages, seqs (<= max_seqs) and per_block. K = 1 keeps the general
+// kernels: measured on the H200 (2026-12-04 06:01-06:10 UTC, % of copy, T16k H2048 top-1, tile vs
+// general) unpermute 54.4 vs 67.0 and backward 45.8 vs 59.7 (37.1 / 47.5 with 4 tokens a stage):
+// one 4 KB row a token leaves the single producer and the consumers' per-token steps exposed.
+bool tile_launch(const void* fn, const char* name, int max_seqs, TileArgs a, cudaStream_t stream) {
+  if (a.K < 2 || a.K > kTileMaxK || a.T < 1 || a.row_bytes % 16) return false;
+  const int fit = int(std::min<int64_t>(kTileMaxStages, int64_t(kTileSmemBudget) / (int64_t(a.stage_bytes) + 16)));
+  if (fit < 2 || cuda::kernel_arch(fn) < 90) return false;
+  a.seqs = std::min(max_seqs, fit);
+  a.stages = fit / a.seqs * a.seqs;
+  const size_t smem = tile_smem(a.stage_bytes, a.stages);
+  set_smem(fn, smem);
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(a.T, cuda::resident_blocks(fn, kTileThreads, smem)));
+  a.per_block = (a.T + grid - 1) / grid;
+  void* args[] = {&a};
+  MMFUSE_CUDA_CHECK(cudaLaunchKernel(fn, dim3(unsigned((a.T + a.per_block - 1) / a.per_block)), dim3(kTileThreads),
+                                     args, smem, stream));
+  MMFUSE_CUDA_CHECK_LAUNCH(name);
+  return true;
+}
+
+// Types the tile kernels take: 16-byte vectors of a 16- or 32-bit type.
+template <class D, int VEC>
+constexpr bool kTileType = sizeof(D) <= 4 && VEC * sizeof(D) == 16;
+
+// The fields of the tile paths that unpermute and its backward share.
+TileArgs tile_args(const TensorView& y, const TensorView& map, const TensorView& probs, TensorView& out) {
+  const int64_t es = int64_t(dtype_size(y.dtype));
+  TileArgs a{};
+  a.y = static_cast<const char*>(y.data);
+  a.ys = y.stride[0] * es;
+  a.N = y.shape[0];
+  a.out = static_cast<char*>(out.data);
+  a.os = out.stride[0] * es;
+  a.map = map_ref(map);
+  a.probs = static_cast<const float*>(probs.data);
+  a.ps0 = a.probs ? probs.stride[0] : 0;
+  a.ps1 = a.probs ? probs.stride[1] : 0;
+  a.T = map.shape[1];
+  a.K = int(std::min<int64_t>(map.shape[0], kTileMaxK + 1));
+  a.row_bytes = int(std::min<int64_t>(y.shape[1] * es, int64_t(kTileSmemBudget)));
+  return a;
 }
 
 }  // namespace
@@ -860,48 +1056,6 @@ void dispatch_rows(DType dt, const char* what, int64_t H, std::initializer_list<
   });
 }
 
-// The token-tile path where it applies (16-byte rows, 4 <= K <= kTileMaxK, two stages at least in
-// the budget, an sm_90+ kernel); false: the caller takes the general kernel.
-template <class D, int VEC>
-bool unpermute_tile(const TensorView& y, const TensorView& map, TensorView& out, const TensorView& probs,
-                    cudaStream_t stream) {
-  if constexpr (sizeof(D) > 4 || VEC * sizeof(D) != 16) {
-    return false;
-  } else {
-    const int64_t K = map.shape[0], T = map.shape[1], row = y.shape[1] * int64_t(sizeof(D));
-    // K >= 4 only. Measured on the H200 (2026-12-04 04:20 UTC, % of copy, tile path vs the general
-    // kernel): top-8 90.3 vs 51 (T8k H4096) and 67.2 vs 51 (T64k H2048); top-2 55.0 vs 71, top-1
-    // 42.2 vs 66: with one or two rows a token, a block barrier a token costs more than it hides.
-    if (K < 4 || K > kTileMaxK || row > int64_t(kTileSmemBudget)) return false;
-    const int stages = int(std::min<int64_t>(kTileMaxStages, int64_t(kTileSmemBudget) /
-                                                                  int64_t(unpermute_tile_smem(int(K), int(row), 1))));
-    if (stages < 2) return false;
-    const void* fn = reinterpret_cast<const void*>(&moe_unpermute_tile_kernel<D>);
-    if (cuda::kernel_arch(fn) < 90) return false;
-    const size_t smem = unpermute_tile_smem(int(K), int(row), stages);
-    set_smem(fn, smem);
-    UnpermuteTileArgs a;
-    a.y = static_cast<const char*>(y.data);
-    a.ys = y.stride[0] * int64_t(sizeof(D));
-    a.N = y.shape[0];
-    a.out = static_cast<char*>(out.data);
-    a.os = out.stride[0] * int64_t(sizeof(D));
-    a.map = map_ref(map);
-    a.probs = static_cast<const float*>(probs.data);
-    a.ps0 = a.probs ? probs.stride[0] : 0;
-    a.ps1 = a.probs ? probs.stride[1] : 0;
-    a.T = T;
-    a.K = int(K);
-    a.row_bytes = int(row);
-    a.stages = stages;
-    const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(T, cuda::resident_blocks(fn, kTileThreads, smem)));
-    a.per_block = (T + grid - 1) / grid;
-    moe_unpermute_tile_kernel<D><<<unsigned((T + a.per_block - 1) / a.per_block), kTileThreads, smem, stream>>>(a);
-    MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_tile_kernel");
-    return true;
-  }
-}
-
 void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const TensorView& probs, TensorView& out,
                         cudaStream_t stream) {
   const int64_t K = map.shape[0], T = map.shape[1], H = y.shape[1], N = y.shape[0];
@@ -924,7 +1078,14 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                         static_cast<const D*>(y.data), y.stride[0], N, static_cast<D*>(out.data), out.stride[0],
                         map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V, FastDiv(V));
                   };
-                  if (unpermute_tile<D, VEC>(y, map, out, probs, stream)) return;
+                  if constexpr (kTileType<D, VEC>) {
+                    TileArgs ta = tile_args(y, map, probs, out);
+                    ta.stage_bytes = ta.K * ta.row_bytes;
+                    ta.stage_y = true;
+                    if (tile_launch(reinterpret_cast<const void*>(&moe_unpermute_tile_kernel<D>),
+                                    "moe_unpermute_tile_kernel", 1, ta, stream))
+                      return;
+                  }
                   if (K == 1)
                     launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{});
                   else
@@ -949,7 +1110,25 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
         const uint32_t V = uint32_t(H / VEC);
         const float* p = static_cast<const float*>(probs.data);
         float* dp = static_cast<float*>(dprobs.data);
-        if (T > 0 && K > 0) {
+        bool tiled = false;
+        if constexpr (kTileType<D, VEC>) {
+          TileArgs ta = tile_args(y, map, probs, dy);
+          ta.g = static_cast<const char*>(dout.data);
+          ta.gs = dout.stride[0] * es;
+          ta.dprobs = dp;
+          ta.dps0 = dp ? dprobs.stride[0] : 0;
+          ta.dps1 = dp ? dprobs.stride[1] : 0;
+          ta.covered = covered;
+          ta.stage_y = dp != nullptr;
+          ta.stage_bytes = (1 + (dp ? ta.K : 0)) * ta.row_bytes;
+          // Tokens of up to 48 KB (four stages in the budget, a warp each). Measured on the H200
+          // (2026-12-04 06:01 UTC, % of copy, tile path vs the general kernel): 24 KB 83.0 vs 79.9,
+          // 36 KB 90.5 vs 72.7, but 72 KB (top-8 at H4096: three stages, three warps) 71.5 vs 78.1.
+          if (ta.stage_bytes <= 48 * 1024)
+            tiled = tile_launch(reinterpret_cast<const void*>(&moe_unpermute_bwd_tile_kernel<D>),
+                                "moe_unpermute_bwd_tile_kernel", kTileConsumers, ta, stream);
+        }
+        if (T > 0 && K > 0 && !tiled) {
           // blocks of 256 threads: x over a row's vectors (32..256), y over tokens; a 1-D grid over tokens
           uint32_t bx = 32;
           while (bx < V && bx < 256) bx *= 2;

@@ -275,6 +275,13 @@ void rows_equal_cpu(std::mt19937_64& rng, int64_t T, int64_t K, int64_t E, int64
   for (int64_t i = 0; i < N * H; ++i) ASSERT_TRUE(bits_equal(got_dy[i], dy[i])) << where << " dy " << i;
   for (int64_t i = 0; i < T * K; ++i)  // fp32 dots in another order: relative to the sum of |terms|
     ASSERT_NEAR(got_dp[i], dprobs[i], 1e-5 * (1.0 + 2.0 * 2.0 * double(H))) << where << " dprobs " << i;
+  // the backward without dprobs (y is not read): the same dy
+  ddy.poison();
+  TensorView no_dp;
+  moe_unpermute_backward(cg, cy, cm, with_probs ? cpr : none, cdy, no_dp, cws, s);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  const std::vector<S> got_dy2 = ddy.download();
+  for (int64_t i = 0; i < N * H; ++i) ASSERT_TRUE(bits_equal(got_dy2[i], dy[i])) << where << " dy, no dprobs " << i;
 }
 
 }  // namespace
@@ -305,19 +312,22 @@ TEST(MoeCuda, PermutesFp8RowsAndIsDeterministic) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";
   std::mt19937_64 rng(test_seed());
   Stream st;
-  const int64_t T = 4099, K = 2, E = 8, H = 136;  // H * 1 byte: 8-byte vectors
+  const int64_t T = 4099, K = 2, E = 8;
   const Plan p = plan(random_ids(rng, T, K, E), T, K, E, 0);
-  std::vector<uint8_t> x(T * H);
-  for (auto& b : x) b = uint8_t(rng());
-  DeviceBuffer<uint8_t> dx(x), dperm(T * K * H);
   DeviceBuffer<int32_t> dmap(p.map);
-  dperm.poison();
-  TensorView cx = device_view(dx.ptr, DType::kFloat8E4M3, {T, H}), cp = device_view(dperm.ptr, DType::kFloat8E4M3, {T * K, H});
-  moe_permute(cx, device_view(dmap.ptr, DType::kInt32, {K, T}), cp, st.s);
-  ASSERT_EQ(cudaStreamSynchronize(st.s), cudaSuccess);
-  const std::vector<uint8_t> got = dperm.download();
-  for (int64_t d = 0; d < T * K; ++d)
-    ASSERT_EQ(0, std::memcmp(&got[d * H], &x[(p.d2s[d] / K) * H], H)) << "row " << d;
+  for (int64_t H : {136, 144}) {  // H * 1 byte: 8-byte vectors, 16-byte vectors
+    std::vector<uint8_t> x(T * H);
+    for (auto& b : x) b = uint8_t(rng());
+    DeviceBuffer<uint8_t> dx(x), dperm(T * K * H);
+    dperm.poison();
+    TensorView cx = device_view(dx.ptr, DType::kFloat8E4M3, {T, H});
+    TensorView cp = device_view(dperm.ptr, DType::kFloat8E4M3, {T * K, H});
+    moe_permute(cx, device_view(dmap.ptr, DType::kInt32, {K, T}), cp, st.s);
+    ASSERT_EQ(cudaStreamSynchronize(st.s), cudaSuccess);
+    const std::vector<uint8_t> got = dperm.download();
+    for (int64_t d = 0; d < T * K; ++d)
+      ASSERT_EQ(0, std::memcmp(&got[d * H], &x[(p.d2s[d] / K) * H], H)) << "H " << H << " row " << d;
+  }
   // the backward's dprobs (block sums) are the same bits on every run
   const int64_t H2 = 4096;
   std::vector<bf16> y = random_vec<bf16>(T * K * H2, rng), g = random_vec<bf16>(T * H2, rng);

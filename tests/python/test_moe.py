@@ -146,6 +146,14 @@ _DEVICE_ERRORS = [
      "moe_unpermute: row_id_map[0][1] = 5: expected -1 or a row in [0, 4)"),
     ("torch.ops.mmfuse.moe_unpermute_backward(torch.randn(2, 8).cuda(), torch.randn(4, 8).cuda(), "
      "torch.tensor([[1, 1]], dtype=torch.int32).cuda(), None)", "row 1 is the destination of two entries"),
+    # K = 2 on 16-byte rows: the token-tile kernels (sm_90) report the same
+    ("mmfuse.moe_unpermute(torch.randn(4, 8).cuda(), torch.tensor([[0, 1], [2, 9]], dtype=torch.int32).cuda())",
+     "moe_unpermute: row_id_map[1][1] = 9: expected -1 or a row in [0, 4)"),
+    ("torch.ops.mmfuse.moe_unpermute_backward(torch.randn(2, 8).cuda(), torch.randn(4, 8).cuda(), "
+     "torch.tensor([[0, 1], [7, 2]], dtype=torch.int32).cuda(), torch.rand(2, 2).cuda())",
+     "moe_unpermute_backward: row_id_map[1][0] = 7: expected -1 or a row in [0, 4)"),
+    ("torch.ops.mmfuse.moe_unpermute_backward(torch.randn(2, 8).cuda(), torch.randn(4, 8).cuda(), "
+     "torch.tensor([[0, 1], [2, 1]], dtype=torch.int32).cuda(), None)", "row 1 is the destination of two entries"),
 ]
 
 
