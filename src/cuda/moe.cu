@@ -612,14 +612,14 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
 }
 
 // ---- token-tile paths (sm_90+): unpermute and its backward ----
-// Rows of 16-byte multiples, 2 <= K <= kTileMaxK. A persistent block owns a contiguous range of
-// tokens. Its last warp is the producer: it reads the row_id_map 32 tokens at a time (a batch
-// ahead) and stages each token in its stage, one 1-D bulk copy (TMA) a row, completing on the
-// stage's `full` mbarrier, once the stage's previous token has been released on its `empty`
-// mbarrier. The consumer warps never wait for each other or for a block barrier; they read the map
-// entries and probabilities themselves, the same way (cache hits), so that only the copy engine
-// writes shared memory, and every consumer thread arrives on `empty` itself (an arrival releases
-// only the arriving thread's reads; racecheck holds us to that).
+// Rows of 16-byte multiples, 1 <= K <= kTileMaxK. A persistent block owns a contiguous range of
+// tokens. Its last warp is the producer: it reads the row_id_map and probabilities 32 tokens at a
+// time (a batch ahead) and, once a stage's previous token has been released on the stage's `empty`
+// mbarrier, writes the token's entries and weights into the stage's slot and stages its rows, one
+// 1-D bulk copy (TMA) a row, completing on the stage's `full` mbarrier (which the producer's own
+// arrival also orders its slot writes before). The consumer warps never wait for each other or for
+// a block barrier, and every consumer thread arrives on `empty` itself (an arrival releases only the
+// arriving thread's reads; racecheck holds us to that).
 // - unpermute: a stage holds token t's K rows of y; all 256 consumer threads sum them in fp32 in k
 //   order (columns over the threads), the operations of moe_unpermute_kernel: bitwise equal.
 // - backward: a stage holds dout[t] and, when dprobs is wanted, token t's K rows of y; consumer
@@ -657,11 +657,19 @@ __device__ __forceinline__ void tile_slot(const TileArgs& a, uint32_t m, int& st
   fill = j / per;
 }
 
-// Shared memory of a tile kernel: the stages, then their full and empty barriers.
-size_t tile_smem(int stage_bytes, int stages) { return size_t(stages) * (size_t(stage_bytes) + 16); }
+// A stage's token: its map entries (-1: none) and weights.
+struct TileMeta {
+  int32_t r[kTileMaxK];
+  float w[kTileMaxK];
+};
+constexpr size_t kTileStageExtra = sizeof(TileMeta) + 16;  // a stage's slot and barriers
+
+// Shared memory of a tile kernel: the stages, their slots, then their full and empty barriers.
+size_t tile_smem(int stage_bytes, int stages) { return size_t(stages) * (size_t(stage_bytes) + kTileStageExtra); }
 
 struct TileSmem {
   unsigned char* stages;
+  TileMeta* meta;
   uint64_t* full;
   uint64_t* empty;
 };
@@ -670,7 +678,8 @@ struct TileSmem {
 __device__ __forceinline__ TileSmem tile_setup(const TileArgs& a, unsigned char* smem, unsigned releases) {
   TileSmem s;
   s.stages = smem;
-  s.full = reinterpret_cast<uint64_t*>(smem + size_t(a.stages) * a.stage_bytes);
+  s.meta = reinterpret_cast<TileMeta*>(smem + size_t(a.stages) * a.stage_bytes);
+  s.full = reinterpret_cast<uint64_t*>(s.meta + a.stages);
   s.empty = s.full + a.stages;
   if (threadIdx.x == 0) {
     for (int i = 0; i < a.stages; ++i) {
@@ -683,19 +692,19 @@ __device__ __forceinline__ TileSmem tile_setup(const TileArgs& a, unsigned char*
   return s;
 }
 
-// A warp's walk over the tokens first, first + step, ... (< t_end): lane l holds the map entries
-// and weights of one token of the current batch of 32 and of the next (loaded a batch ahead), and
+// The producer's walk over the tokens from `first` (< t_end): lane l holds the map entries and
+// weights of one token of the current batch of 32 and of the next (loaded a batch ahead), and
 // next() hands every lane those of the walk's next token. Bad entries are recorded in `bad` and
 // read as -1; entries past K and tokens past t_end, -1.
 struct TileWalk {
   int32_t r[kTileMaxK], rn[kTileMaxK];
   float w[kTileMaxK], wn[kTileMaxK];
-  int64_t first, step, t_end;
+  int64_t first, t_end;
   uint32_t j = 0;
 
   __device__ __forceinline__ void load(const TileArgs& a, int64_t b, int32_t (&r_)[kTileMaxK],
                                        float (&w_)[kTileMaxK], BadEntry& bad) {
-    const int64_t t = first + (b * 32 + (threadIdx.x & 31)) * step;
+    const int64_t t = first + b * 32 + (threadIdx.x & 31);
     if (t < t_end) {
       load_rows<kTileMaxK>(a.map, 0, a.K, t, a.N, r_, bad);
     } else {
@@ -706,8 +715,8 @@ struct TileWalk {
     for (int kk = 0; kk < kTileMaxK; ++kk)  // not waiting for r: the weight of an entry kept or not
       w_[kk] = a.probs && kk < a.K && t < t_end ? a.probs[t * a.ps0 + kk * a.ps1] : 1.0f;
   }
-  __device__ __forceinline__ TileWalk(const TileArgs& a, int64_t first_, int64_t step_, int64_t t_end_, BadEntry& bad)
-      : first(first_), step(step_), t_end(t_end_) {
+  __device__ __forceinline__ TileWalk(const TileArgs& a, int64_t first_, int64_t t_end_, BadEntry& bad)
+      : first(first_), t_end(t_end_) {
     load(a, 0, r, w, bad);
     load(a, 1, rn, wn, bad);
   }
@@ -736,7 +745,7 @@ struct TileWalk {
 __device__ __forceinline__ void tile_produce(const TileArgs& a, const TileSmem& s, int64_t t_begin, int64_t t_end,
                                              BadEntry& bad) {
   const int lane = threadIdx.x & 31, RB = a.row_bytes, lead = a.g ? 1 : 0;
-  TileWalk walk(a, t_begin, 1, t_end, bad);
+  TileWalk walk(a, t_begin, t_end, bad);
   for (int64_t m = 0; m < t_end - t_begin; ++m) {
     int32_t r[kTileMaxK];
     float w[kTileMaxK];
@@ -747,6 +756,8 @@ __device__ __forceinline__ void tile_produce(const TileArgs& a, const TileSmem& 
       tile_slot(a, uint32_t(m), st, fill);
       if (fill > 0) cuda::mbar_wait(&s.empty[st], (fill - 1) & 1u);  // the stage's previous token released
       unsigned char* dst = s.stages + size_t(st) * a.stage_bytes;
+#pragma unroll
+      for (int kk = 0; kk < kTileMaxK; ++kk) s.meta[st].r[kk] = r[kk], s.meta[st].w[kk] = w[kk];
       unsigned bytes = lead ? unsigned(RB) : 0u;
 #pragma unroll
       for (int kk = 0; kk < kTileMaxK; ++kk) bytes += a.stage_y && r[kk] >= 0 ? unsigned(RB) : 0u;
@@ -767,17 +778,15 @@ __device__ __forceinline__ void tile_produce(const TileArgs& a, const TileSmem& 
 template <class F>
 __device__ __forceinline__ void tile_consume(const TileArgs& a, const TileSmem& s, int64_t t_begin, int64_t t_end,
                                              F&& body) {
-  BadEntry ignored;  // the producer reports
-  TileWalk walk(a, t_begin, 1, t_end, ignored);
   int st = 0;
   unsigned ph = 0;
   for (int64_t t = t_begin; t < t_end; ++t) {
+    cuda::mbar_wait(&s.full[st], ph);
     int32_t r[kTileMaxK];
     float w[kTileMaxK];
-    walk.next(a, r, w, ignored);
-    const unsigned char* stage = s.stages + size_t(st) * a.stage_bytes;
-    cuda::mbar_wait(&s.full[st], ph);
-    body(t, r, w, stage);
+#pragma unroll
+    for (int kk = 0; kk < kTileMaxK; ++kk) r[kk] = s.meta[st].r[kk], w[kk] = s.meta[st].w[kk];
+    body(t, r, w, s.stages + size_t(st) * a.stage_bytes);
     cuda::mbar_arrive(&s.empty[st]);
     if (++st == a.stages) st = 0, ph ^= 1u;
   }
@@ -844,30 +853,23 @@ __global__ void __launch_bounds__(kTileThreads) moe_unpermute_bwd_tile_kernel(co
   if (warp >= a.seqs) return;
   const uint32_t V = uint32_t(RB / 16);
   int32_t dup = -1;  // a row this lane found marked already
-  BadEntry ignored;  // the producer reports
-  TileWalk walk(a, t_begin + warp, a.seqs, t_end, ignored);
   for (int64_t m = warp; m < t_end - t_begin; m += a.seqs) {
     const int64_t t = t_begin + m;
-    int32_t r[kTileMaxK];
-    float wf[kTileMaxK];
-    walk.next(a, r, wf, ignored);
-    int32_t rl = -1;  // lane kk: entry kk, marked in the bitmap of the rows written
-#pragma unroll
-    for (int kk = 0; kk < kTileMaxK; ++kk)
-      if (lane == kk) rl = r[kk];
-    uint32_t bit = 0, old = 0;
-    if (rl >= 0) {
-      bit = 1u << (rl & 31);
-      old = atomicOr(&a.covered[rl >> 5], bit);
-    }
-    C w[kTileMaxK], dot[kTileMaxK];
-#pragma unroll
-    for (int kk = 0; kk < kTileMaxK; ++kk) w[kk] = C(wf[kk]), dot[kk] = C(0);
     int st;
     uint32_t fill;
     tile_slot(a, uint32_t(m), st, fill);
     const unsigned char* stage = s.stages + size_t(st) * a.stage_bytes;
     cuda::mbar_wait(&s.full[st], fill & 1u);
+    int32_t r[kTileMaxK];
+    C w[kTileMaxK], dot[kTileMaxK];
+#pragma unroll
+    for (int kk = 0; kk < kTileMaxK; ++kk) r[kk] = s.meta[st].r[kk], w[kk] = C(s.meta[st].w[kk]), dot[kk] = C(0);
+    const int32_t rl = lane < kTileMaxK ? s.meta[st].r[lane] : -1;  // lane kk: entry kk, marked as written
+    uint32_t bit = 0, old = 0;
+    if (rl >= 0) {
+      bit = 1u << (rl & 31);
+      old = atomicOr(&a.covered[rl >> 5], bit);
+    }
     for (uint32_t col = lane; col < V; col += 32) {
       const W g = reinterpret_cast<const W*>(stage)[col];
 #pragma unroll
@@ -931,15 +933,12 @@ void set_smem(const void* kernel, size_t bytes) {
     MMFUSE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
-// The token-tile kernel `fn` where it applies (rows of 16-byte vectors, 2 <= K <= kTileMaxK, two
+// The token-tile kernel `fn` where it applies (rows of 16-byte vectors, 1 <= K <= kTileMaxK, two
 // stages at least in the budget, an sm_90+ kernel); false: the caller takes the general kernel. `a`
-// has all but the launch shape: stages, seqs (<= max_seqs) and per_block. K = 1 keeps the general
-// kernels: measured on the H200 (2026-12-04 06:01-06:10 UTC, % of copy, T16k H2048 top-1, tile vs
-// general) unpermute 54.4 vs 67.0 and backward 45.8 vs 59.7 (37.1 / 47.5 with 4 tokens a stage):
-// one 4 KB row a token leaves the single producer and the consumers' per-token steps exposed.
+// has all but the launch shape: stages, seqs (<= max_seqs) and per_block.
 bool tile_launch(const void* fn, const char* name, int max_seqs, TileArgs a, cudaStream_t stream) {
-  if (a.K < 2 || a.K > kTileMaxK || a.T < 1 || a.row_bytes % 16) return false;
-  const int fit = int(std::min<int64_t>(kTileMaxStages, int64_t(kTileSmemBudget) / (int64_t(a.stage_bytes) + 16)));
+  if (a.K < 1 || a.K > kTileMaxK || a.T < 1 || a.row_bytes % 16) return false;
+  const int fit = int(std::min<int64_t>(kTileMaxStages, int64_t(kTileSmemBudget) / (int64_t(a.stage_bytes) + int64_t(kTileStageExtra))));
   if (fit < 2 || cuda::kernel_arch(fn) < 90) return false;
   a.seqs = std::min(max_seqs, fit);
   a.stages = fit / a.seqs * a.seqs;
@@ -1079,6 +1078,9 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                         map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V, FastDiv(V));
                   };
                   if constexpr (kTileType<D, VEC>) {
+                    // Every K: measured on the H200 (2026-12-04 11:37 UTC, % of copy, tile path vs the
+                    // general kernel at 10:11), top-2 of 8 T16k H4096 83.8 vs 71.4 (04:26), top-8 of
+                    // 64 T64k H2048 97.7 vs 67.8, top-1 T16k H2048 70.6 vs 66.9.
                     TileArgs ta = tile_args(y, map, probs, out);
                     ta.stage_bytes = ta.K * ta.row_bytes;
                     ta.stage_y = true;
@@ -1121,10 +1123,12 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
           ta.covered = covered;
           ta.stage_y = dp != nullptr;
           ta.stage_bytes = (1 + (dp ? ta.K : 0)) * ta.row_bytes;
-          // Tokens of up to 48 KB (four stages in the budget, a warp each). Measured on the H200
-          // (2026-12-04 06:01 UTC, % of copy, tile path vs the general kernel): 24 KB 83.0 vs 79.9,
-          // 36 KB 90.5 vs 72.7, but 72 KB (top-8 at H4096: three stages, three warps) 71.5 vs 78.1.
-          if (ta.stage_bytes <= 48 * 1024)
+          // Two to eight rows a token, tokens of up to 48 KB (four stages in the budget, a warp
+          // each). Measured on the H200 (2026-12-04 UTC, % of copy, tile path vs the general
+          // kernel): 24 KB 83.0 vs 79.9, 36 KB 90.4 vs 72.7 (06:01, 11:37); but 72 KB (top-8 at
+          // H4096: three stages, three warps) 71.5 vs 78.1 (06:01) and top-1 at H2048 (8 KB) 45.5 vs
+          // 59.3 (11:37 vs 10:11): one row a token leaves the producer's per-token steps exposed.
+          if (ta.K >= 2 && ta.stage_bytes <= 48 * 1024)
             tiled = tile_launch(reinterpret_cast<const void*>(&moe_unpermute_bwd_tile_kernel<D>),
                                 "moe_unpermute_bwd_tile_kernel", kTileConsumers, ta, stream);
         }
