@@ -938,7 +938,8 @@ void set_smem(const void* kernel, size_t bytes) {
 // has all but the launch shape: stages, seqs (<= max_seqs) and per_block.
 bool tile_launch(const void* fn, const char* name, int max_seqs, TileArgs a, cudaStream_t stream) {
   if (a.K < 1 || a.K > kTileMaxK || a.T < 1 || a.row_bytes % 16) return false;
-  const int fit = int(std::min<int64_t>(kTileMaxStages, int64_t(kTileSmemBudget) / (int64_t(a.stage_bytes) + int64_t(kTileStageExtra))));
+  const int64_t per_stage = int64_t(a.stage_bytes) + int64_t(kTileStageExtra);
+  const int fit = int(std::min<int64_t>(kTileMaxStages, int64_t(kTileSmemBudget) / per_stage));
   if (fit < 2 || cuda::kernel_arch(fn) < 90) return false;
   a.seqs = std::min(max_seqs, fit);
   a.stages = fit / a.seqs * a.seqs;
@@ -1078,9 +1079,9 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                         map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V, FastDiv(V));
                   };
                   if constexpr (kTileType<D, VEC>) {
-                    // Every K: measured on the H200 (2026-12-04 11:37 UTC, % of copy, tile path vs the
-                    // general kernel at 10:11), top-2 of 8 T16k H4096 83.8 vs 71.4 (04:26), top-8 of
-                    // 64 T64k H2048 97.7 vs 67.8, top-1 T16k H2048 70.6 vs 66.9.
+                    // Every K. Measured on the H200 (2026-12-04 UTC, % of copy, the tile path at 11:37
+                    // vs the general kernel): top-2 of 8 T16k H4096 83.8 vs 71.4 and top-8 of 64 T64k
+                    // H2048 97.7 vs 67.8 (04:26), top-1 T16k H2048 70.6 vs 66.9 (10:11).
                     TileArgs ta = tile_args(y, map, probs, out);
                     ta.stage_bytes = ta.K * ta.row_bytes;
                     ta.stage_y = true;
