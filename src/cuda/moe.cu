@@ -613,8 +613,10 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
 
 // ---- token-tile paths (sm_90+): unpermute and its backward ----
 // Rows of 16-byte multiples, 1 <= K <= kTileMaxK. A persistent block owns a contiguous range of
-// tokens. Its last warp is the producer: it reads the row_id_map and probabilities 32 tokens at a
-// time (a batch ahead) and, once a stage's previous token has been released on the stage's `empty`
+// tokens. Its last one or two warps are producers, warp p of P taking the tokens p (mod P) and the
+// stages they map to, which no other producer touches. A producer reads the row_id_map and
+// probabilities of its tokens 32 at a time (a batch ahead) and, once a stage's previous token has
+// been released on the stage's `empty`
 // mbarrier, writes the token's entries and weights into the stage's slot and stages its rows, one
 // 1-D bulk copy (TMA) a row, completing on the stage's `full` mbarrier (which the producer's own
 // arrival also orders its slot writes before). The consumer warps never wait for each other or for
@@ -625,7 +627,8 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
 // - backward: a stage holds dout[t] and, when dprobs is wanted, token t's K rows of y; consumer
 //   warp w < W owns the tokens w (mod W) and stages of its own (W = min(8, stages that fit)), so a
 //   token's dot products need warp sums only.
-constexpr int kTileMaxK = 8, kTileMaxStages = 16, kTileConsumers = 8, kTileThreads = 32 * (kTileConsumers + 1);
+constexpr int kTileMaxK = 8, kTileMaxStages = 16, kTileConsumers = 8, kTileMaxProducers = 2;
+constexpr int kTileThreads = 32 * (kTileConsumers + kTileMaxProducers);  // the most a block launches
 constexpr size_t kTileSmemBudget = 224 * 1024;
 
 struct TileArgs {
@@ -646,6 +649,7 @@ struct TileArgs {
   int stage_bytes;  // a stage: [the g row] then, if stage_y, the token's K rows of y
   int stages;
   int seqs;  // stage sequences: token m goes to sequence m % seqs (its stages: stages / seqs)
+  int producers;  // producer warps: warp p stages tokens p (mod producers), whose stages no other touches
   bool stage_y;
 };
 
@@ -699,12 +703,12 @@ __device__ __forceinline__ TileSmem tile_setup(const TileArgs& a, unsigned char*
 struct TileWalk {
   int32_t r[kTileMaxK], rn[kTileMaxK];
   float w[kTileMaxK], wn[kTileMaxK];
-  int64_t first, t_end;
+  int64_t first, t_end, stride;
   uint32_t j = 0;
 
   __device__ __forceinline__ void load(const TileArgs& a, int64_t b, int32_t (&r_)[kTileMaxK],
                                        float (&w_)[kTileMaxK], BadEntry& bad) {
-    const int64_t t = first + b * 32 + (threadIdx.x & 31);
+    const int64_t t = first + (b * 32 + (threadIdx.x & 31)) * stride;
     if (t < t_end) {
       load_rows<kTileMaxK>(a.map, 0, a.K, t, a.N, r_, bad);
     } else {
@@ -715,8 +719,9 @@ struct TileWalk {
     for (int kk = 0; kk < kTileMaxK; ++kk)  // not waiting for r: the weight of an entry kept or not
       w_[kk] = a.probs && kk < a.K && t < t_end ? a.probs[t * a.ps0 + kk * a.ps1] : 1.0f;
   }
-  __device__ __forceinline__ TileWalk(const TileArgs& a, int64_t first_, int64_t t_end_, BadEntry& bad)
-      : first(first_), t_end(t_end_) {
+  __device__ __forceinline__ TileWalk(const TileArgs& a, int64_t first_, int64_t t_end_, int64_t stride_,
+                                      BadEntry& bad)
+      : first(first_), t_end(t_end_), stride(stride_) {
     load(a, 0, r, w, bad);
     load(a, 1, rn, wn, bad);
   }
@@ -741,12 +746,12 @@ struct TileWalk {
   }
 };
 
-// The producer warp: every token of [t_begin, t_end) into its stage, in order.
+// Producer warp p: every token p (mod producers) of [t_begin, t_end) into its stage, in order.
 __device__ __forceinline__ void tile_produce(const TileArgs& a, const TileSmem& s, int64_t t_begin, int64_t t_end,
-                                             BadEntry& bad) {
+                                             int p, BadEntry& bad) {
   const int lane = threadIdx.x & 31, RB = a.row_bytes, lead = a.g ? 1 : 0;
-  TileWalk walk(a, t_begin, t_end, bad);
-  for (int64_t m = 0; m < t_end - t_begin; ++m) {
+  TileWalk walk(a, t_begin + p, t_end, a.producers, bad);
+  for (int64_t m = p; m < t_end - t_begin; m += a.producers) {
     int32_t r[kTileMaxK];
     float w[kTileMaxK];
     walk.next(a, r, w, bad);
@@ -803,7 +808,7 @@ __global__ void __launch_bounds__(kTileThreads) moe_unpermute_tile_kernel(const 
   const int64_t t_begin = int64_t(blockIdx.x) * a.per_block, t_end = min(a.T, t_begin + a.per_block);
   if (threadIdx.x >= 32 * kTileConsumers) {
     BadEntry bad;
-    tile_produce(a, s, t_begin, t_end, bad);
+    tile_produce(a, s, t_begin, t_end, int(threadIdx.x / 32) - kTileConsumers, bad);
     if (bad.t >= 0) bad_row("moe_unpermute", a.map, bad.k, bad.t, a.N);
     return;
   }
@@ -844,9 +849,9 @@ __global__ void __launch_bounds__(kTileThreads) moe_unpermute_bwd_tile_kernel(co
   const TileSmem s = tile_setup(a, smem, 32);
   const int64_t t_begin = int64_t(blockIdx.x) * a.per_block, t_end = min(a.T, t_begin + a.per_block);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, RB = a.row_bytes;
-  if (warp == kTileConsumers) {
+  if (warp >= kTileConsumers) {
     BadEntry bad;
-    tile_produce(a, s, t_begin, t_end, bad);
+    tile_produce(a, s, t_begin, t_end, warp - kTileConsumers, bad);
     if (bad.t >= 0) bad_row("moe_unpermute_backward", a.map, bad.k, bad.t, a.N);
     return;
   }
@@ -943,12 +948,20 @@ bool tile_launch(const void* fn, const char* name, int max_seqs, TileArgs a, cud
   if (fit < 2 || cuda::kernel_arch(fn) < 90) return false;
   a.seqs = std::min(max_seqs, fit);
   a.stages = fit / a.seqs * a.seqs;
+  // Two producer warps where each can have a set of stages of its own (an even number of
+  // sequences, or of stages in one sequence), else one. A producer's per-token steps (map entries
+  // to all lanes, slot writes, one bulk copy a row) are a serial chain of a few hundred
+  // instructions (ncu, H200 2026-12-04): a second one lifted the 8 KB tokens of top-1 unpermute
+  // from 70.5 to 74.2 % of copy and top-8 of 64 at H2048 from 96.4 to 99.0; four gained nothing
+  // more; taking a stage off the 13 of top-2 at H4096 to pair them lost 2-3 points.
+  a.producers = (a.seqs > 1 ? a.seqs : a.stages) % 2 == 0 ? kTileMaxProducers : 1;
+  const int threads = 32 * (kTileConsumers + a.producers);
   const size_t smem = tile_smem(a.stage_bytes, a.stages);
   set_smem(fn, smem);
-  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(a.T, cuda::resident_blocks(fn, kTileThreads, smem)));
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(a.T, cuda::resident_blocks(fn, threads, smem)));
   a.per_block = (a.T + grid - 1) / grid;
   void* args[] = {&a};
-  MMFUSE_CUDA_CHECK(cudaLaunchKernel(fn, dim3(unsigned((a.T + a.per_block - 1) / a.per_block)), dim3(kTileThreads),
+  MMFUSE_CUDA_CHECK(cudaLaunchKernel(fn, dim3(unsigned((a.T + a.per_block - 1) / a.per_block)), dim3(threads),
                                      args, smem, stream));
   MMFUSE_CUDA_CHECK_LAUNCH(name);
   return true;
@@ -1081,7 +1094,8 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                   if constexpr (kTileType<D, VEC>) {
                     // Every K. Measured on the H200 (2026-12-04 UTC, % of copy, the tile path at 11:37
                     // vs the general kernel): top-2 of 8 T16k H4096 83.8 vs 71.4 and top-8 of 64 T64k
-                    // H2048 97.7 vs 67.8 (04:26), top-1 T16k H2048 70.6 vs 66.9 (10:11).
+                    // H2048 97.7 vs 67.8 (04:26), top-1 T16k H2048 70.6 vs 66.9 (10:11); with two
+                    // producer warps (14:17) 80.0, 99.2 and 76.1.
                     TileArgs ta = tile_args(y, map, probs, out);
                     ta.stage_bytes = ta.K * ta.row_bytes;
                     ta.stage_y = true;
@@ -1124,12 +1138,12 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
           ta.covered = covered;
           ta.stage_y = dp != nullptr;
           ta.stage_bytes = (1 + (dp ? ta.K : 0)) * ta.row_bytes;
-          // Two to eight rows a token, tokens of up to 48 KB (four stages in the budget, a warp
-          // each). Measured on the H200 (2026-12-04 UTC, % of copy, tile path vs the general
-          // kernel): 24 KB 83.0 vs 79.9, 36 KB 90.4 vs 72.7 (06:01, 11:37); but 72 KB (top-8 at
-          // H4096: three stages, three warps) 71.5 vs 78.1 (06:01) and top-1 at H2048 (8 KB) 45.5 vs
-          // 59.3 (11:37 vs 10:11): one row a token leaves the producer's per-token steps exposed.
-          if (ta.K >= 2 && ta.stage_bytes <= 48 * 1024)
+          // Tokens of up to 48 KB (four stages in the budget, a warp each). Measured on the H200
+          // (2026-12-04 UTC, % of copy, tile path vs the general kernel): 24 KB 83.0 vs 79.9, 36 KB
+          // 90.4 vs 72.7 (06:01, 11:37), top-1 at H2048 (8 KB) 75.5 vs 59.5 with two producer warps
+          // (13:59; 45.5 with one); but 72 KB (top-8 at H4096: three stages, three warps) 71.5 vs
+          // 78.1 (06:01).
+          if (ta.stage_bytes <= 48 * 1024)
             tiled = tile_launch(reinterpret_cast<const void*>(&moe_unpermute_bwd_tile_kernel<D>),
                                 "moe_unpermute_bwd_tile_kernel", kTileConsumers, ta, stream);
         }
