@@ -616,12 +616,12 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
 // tokens. Its last one or two warps are producers, warp p of P taking the tokens p (mod P) and the
 // stages they map to, which no other producer touches. A producer reads the row_id_map and
 // probabilities of its tokens 32 at a time (a batch ahead) and, once a stage's previous token has
-// been released on the stage's `empty`
-// mbarrier, writes the token's entries and weights into the stage's slot and stages its rows, one
-// 1-D bulk copy (TMA) a row, completing on the stage's `full` mbarrier (which the producer's own
-// arrival also orders its slot writes before). The consumer warps never wait for each other or for
-// a block barrier, and every consumer thread arrives on `empty` itself (an arrival releases only the
-// arriving thread's reads; racecheck holds us to that).
+// been released on the stage's `empty` mbarrier, writes the token's entries and weights into the
+// stage's slot and stages its rows, one 1-D bulk copy (TMA) a row, completing on the stage's
+// `full` mbarrier (which the producer's own arrival also orders its slot writes before). The
+// consumer warps never wait for each other or for a block barrier, and every consumer thread
+// arrives on `empty` itself (an arrival releases only the arriving thread's reads; racecheck holds
+// us to that).
 // - unpermute: a stage holds token t's K rows of y; all 256 consumer threads sum them in fp32 in k
 //   order (columns over the threads), the operations of moe_unpermute_kernel: bitwise equal.
 // - backward: a stage holds dout[t] and, when dprobs is wanted, token t's K rows of y; consumer
@@ -696,8 +696,8 @@ __device__ __forceinline__ TileSmem tile_setup(const TileArgs& a, unsigned char*
   return s;
 }
 
-// The producer's walk over the tokens from `first` (< t_end): lane l holds the map entries and
-// weights of one token of the current batch of 32 and of the next (loaded a batch ahead), and
+// A producer's walk over the tokens first, first + stride, ... (< t_end): lane l holds the map
+// entries and weights of one token of the current batch of 32 and of the next (a batch ahead), and
 // next() hands every lane those of the walk's next token. Bad entries are recorded in `bad` and
 // read as -1; entries past K and tokens past t_end, -1.
 struct TileWalk {
