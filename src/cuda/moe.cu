@@ -15,8 +15,9 @@
 // its K destination rows; unpermute reads the K rows of token t and writes out[t]; the backward reads
 // dout[t] once and writes K rows of dy. Rows move as 16-byte vectors when their size and alignment
 // allow (8, 4, 2, 1 otherwise); sums are fp32 (fp64 for fp64) in k order with explicit rounding.
-// Unpermute with 4 to 8 rows a token takes a token-tile path on sm_90+ (TMA bulk copies of whole
-// rows into staged shared memory; see below).
+// Unpermute at K = 1 runs a warp a token (whole rows in flight in registers); with 2 to 8 rows a
+// token it takes a token-tile path on sm_90+ (TMA bulk copies of whole rows into staged shared
+// memory; see below), as does the backward for tokens of up to 48 KB.
 // The backward also marks each row it writes in a bitmap (caller workspace, cleared first); a last
 // small launch zeroes the rows no entry maps to.
 #include <cuda_runtime.h>
@@ -80,19 +81,14 @@ __device__ __noinline__ void bad_expert(uint32_t t, uint32_t k, int64_t e, int32
   MMFUSE_DEVICE_FAIL("moe_plan: indices[%u][%u] = %lld: expected an expert id in [0, %d)", t, k, (long long)e, E);
 }
 
-__device__ __forceinline__ int expert_of(const PlanArgs& a, int32_t i) {
-  int64_t e;
+// Entry i of indices, unchecked.
+__device__ __forceinline__ int64_t raw_id(const PlanArgs& a, int32_t i) {
   if (a.contiguous) {
-    e = a.idx.i64 ? static_cast<const int64_t*>(a.idx.p)[i] : static_cast<const int32_t*>(a.idx.p)[i];
-  } else {
-    const uint32_t t = a.K.div(uint32_t(i)), k = uint32_t(i) - t * a.K.d;
-    e = a.idx(t, k);
+    return a.idx.i64 ? __ldg(static_cast<const int64_t*>(a.idx.p) + i)
+                     : int64_t(__ldg(static_cast<const int32_t*>(a.idx.p) + i));
   }
-  if (e < 0 || e >= a.E) {
-    const uint32_t t = a.K.div(uint32_t(i));
-    bad_expert(t, uint32_t(i) - t * a.K.d, e, a.E);
-  }
-  return int(e);
+  const uint32_t t = a.K.div(uint32_t(i)), k = uint32_t(i) - t * a.K.d;
+  return a.idx(t, k);
 }
 
 // The lanes of this warp holding the same id as this lane (invalid lanes hold -1).
@@ -113,36 +109,50 @@ __device__ __forceinline__ void warp_part(const PlanArgs& a, int32_t c, int w, i
   hi = min(lo + part, a.TK);
 }
 
-// The ids of the tile at base (entries base + u * 32 + lane; -1 past hi), loaded together.
+// The ids of the tile at base (entries base + u * 32 + lane; -1 past hi). Every load is issued
+// before any check: the check's error report is a call, which no load can be moved across, so the
+// loads overlap instead of making four round trips to memory in a row.
 __device__ __forceinline__ void load_ids(const PlanArgs& a, int32_t base, int32_t hi, int (&e)[kPlanItems]) {
   const int lane = threadIdx.x & 31;
+  int64_t v[kPlanItems];
 #pragma unroll
   for (int u = 0; u < kPlanItems; ++u) {
     const int32_t i = base + u * 32 + lane;
-    e[u] = i < hi ? expert_of(a, i) : -1;
+    v[u] = i < hi ? raw_id(a, i) : -1;
+  }
+#pragma unroll
+  for (int u = 0; u < kPlanItems; ++u) {
+    const int32_t i = base + u * 32 + lane;
+    if (i < hi && (v[u] < 0 || v[u] >= a.E)) {
+      const uint32_t t = a.K.div(uint32_t(i));
+      bad_expert(t, uint32_t(i) - t * a.K.d, v[u], a.E);
+    }
+    e[u] = int(v[u]);
   }
 }
 
-// Adds a tile's ids to cnt (this warp's row of counters, in shared memory).
+// Adds a tile's ids to cnt (this warp's row of counters, in shared memory); the peers of each id
+// are left in `peers` for the rank walk.
 template <bool kTwo>
-__device__ __forceinline__ void count_tile(const int (&e)[kPlanItems], int32_t* cnt) {
+__device__ __forceinline__ void count_tile(const int (&e)[kPlanItems], int32_t* cnt, unsigned (&peers)[kPlanItems]) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
+  for (int u = 0; u < kPlanItems; ++u) peers[u] = peers_of<kTwo>(e[u]);
+#pragma unroll
   for (int u = 0; u < kPlanItems; ++u) {
-    const unsigned peers = peers_of<kTwo>(e[u]);
-    if (e[u] >= 0 && lane == __ffs(peers) - 1) cnt[e[u]] += __popc(peers);
+    if (e[u] >= 0 && lane == __ffs(peers[u]) - 1) cnt[e[u]] += __popc(peers[u]);
     __syncwarp();
   }
 }
 
 // Phase 1 of block c: this chunk's per-warp counts into cnt ([kPlanWarps][E], cleared by the caller
-// before a barrier), e left holding the warp's last tile.
+// before a barrier), e and peers left holding the warp's last tile and its peers.
 template <bool kTwo>
 __device__ __forceinline__ void count_chunk(const PlanArgs& a, int32_t lo, int32_t hi, int (&e)[kPlanItems],
-                                            int32_t* cnt) {
+                                            int32_t* cnt, unsigned (&peers)[kPlanItems]) {
   for (int32_t base = lo; base < hi; base += 32 * kPlanItems) {
     if (base != lo) load_ids(a, base, hi, e);
-    count_tile<kTwo>(e, cnt);
+    count_tile<kTwo>(e, cnt, peers);
   }
 }
 
@@ -160,10 +170,11 @@ __device__ __forceinline__ void write_hist(const PlanArgs& a, const int32_t* cnt
 // within each expert, pre, and the expert totals, tot; both cleared by the caller), the expert
 // offsets (an exclusive scan of the totals, kPlanThreads experts at a time), each warp's first
 // destination of every expert (in cnt, which holds the warp counts), then the ranks and the writes.
-// e holds the warp's first tile when its part is one tile (one_tile).
+// e and pk hold the warp's first tile and its peers when its part is one tile (one_tile).
 template <bool kTwo>
 __device__ __forceinline__ void rank_chunk(const PlanArgs& a, int32_t lo, int32_t hi, bool one_tile,
-                                           int (&e)[kPlanItems], int32_t* cnt, int32_t* pre, int32_t* tot) {
+                                           int (&e)[kPlanItems], const unsigned (&pk)[kPlanItems], int32_t* cnt,
+                                           int32_t* pre, int32_t* tot) {
   const int32_t E = a.E, c = blockIdx.x;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // column sums of the chunk histograms: groups of threads split the chunks of each expert
@@ -210,7 +221,7 @@ __device__ __forceinline__ void rank_chunk(const PlanArgs& a, int32_t lo, int32_
     if (!one_tile) load_ids(a, base, hi, e);
 #pragma unroll
     for (int u = 0; u < kPlanItems; ++u) {
-      const unsigned peers = peers_of<kTwo>(e[u]);
+      const unsigned peers = one_tile ? pk[u] : peers_of<kTwo>(e[u]);
       const int32_t dst = e[u] >= 0 ? mine[e[u]] + __popc(peers & lt) : 0;
       __syncwarp();
       if (e[u] >= 0) {
@@ -240,11 +251,12 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(PlanArgs a) {
   if (lo < hi) load_ids(a, lo, hi, e);  // first tile in flight while the counters are cleared
   for (int32_t j = threadIdx.x; j < (kPlanWarps + 2) * a.E; j += blockDim.x) sm[j] = 0;
   __syncthreads();
-  count_chunk<kTwo>(a, lo, hi, e, cnt);
+  unsigned peers[kPlanItems];
+  count_chunk<kTwo>(a, lo, hi, e, cnt, peers);
   __syncthreads();
   write_hist(a, sm);
   cooperative_groups::this_grid().sync();
-  rank_chunk<kTwo>(a, lo, hi, one_tile, e, sm, pre, pre + a.E);
+  rank_chunk<kTwo>(a, lo, hi, one_tile, e, peers, sm, pre, pre + a.E);
 }
 
 // The same in two launches, where the C blocks cannot all be resident at once.
@@ -257,7 +269,8 @@ __global__ void __launch_bounds__(kPlanThreads) moe_count_kernel(PlanArgs a) {
   if (lo < hi) load_ids(a, lo, hi, e);
   for (int32_t j = threadIdx.x; j < kPlanWarps * a.E; j += blockDim.x) sm[j] = 0;
   __syncthreads();
-  count_chunk<kTwo>(a, lo, hi, e, sm + (threadIdx.x >> 5) * a.E);
+  unsigned peers[kPlanItems];
+  count_chunk<kTwo>(a, lo, hi, e, sm + (threadIdx.x >> 5) * a.E, peers);
   __syncthreads();
   write_hist(a, sm);
 }
@@ -273,8 +286,9 @@ __global__ void __launch_bounds__(kPlanThreads) moe_rank_kernel(PlanArgs a) {
   if (lo < hi) load_ids(a, lo, hi, e);
   for (int32_t j = threadIdx.x; j < (kPlanWarps + 2) * a.E; j += blockDim.x) sm[j] = 0;
   __syncthreads();
-  count_chunk<kTwo>(a, lo, hi, e, sm + (threadIdx.x >> 5) * a.E);  // the warp counts again
-  rank_chunk<kTwo>(a, lo, hi, one_tile, e, sm, pre, pre + a.E);
+  unsigned peers[kPlanItems];
+  count_chunk<kTwo>(a, lo, hi, e, sm + (threadIdx.x >> 5) * a.E, peers);  // the warp counts again
+  rank_chunk<kTwo>(a, lo, hi, one_tile, e, peers, sm, pre, pre + a.E);
 }
 
 // ---- row movement ----
@@ -373,7 +387,7 @@ __device__ __forceinline__ void row_col(int64_t j, uint32_t V, const FastDiv& dv
 
 // out[map[k][t]] = x[t]: thread j moves vector j % V of token j / V to its K rows; each x row is
 // read once. kPermUnroll vectors a thread are loaded before any store.
-template <int B, bool kSmall>
+template <int B, bool kSmall, int KG>
 __global__ void __launch_bounds__(kFlatThreads) moe_permute_kernel(const char* __restrict__ x, int64_t xs,
                                                                    char* __restrict__ out, int64_t os, int64_t N,
                                                                    MapRef map, int64_t T, int64_t K, uint32_t V,
@@ -393,16 +407,19 @@ __global__ void __launch_bounds__(kFlatThreads) moe_permute_kernel(const char* _
         v[u] = __ldg(reinterpret_cast<const U*>(x + t[u] * xs) + col[u]);
       }
     }
-    for (int64_t k = 0; k < K; ++k) {
-      int32_t r[kPermUnroll][1];
+    for (int64_t k = 0; k < K; k += KG) {
+      int32_t r[kPermUnroll][KG];
 #pragma unroll
       for (int u = 0; u < kPermUnroll; ++u) {
-        r[u][0] = -1;
-        if (t[u] >= 0) load_rows<1>(map, k, K, t[u], N, r[u], bad);
+#pragma unroll
+        for (int kk = 0; kk < KG; ++kk) r[u][kk] = -1;
+        if (t[u] >= 0) load_rows<KG>(map, k, K, t[u], N, r[u], bad);
       }
 #pragma unroll
       for (int u = 0; u < kPermUnroll; ++u)
-        if (r[u][0] >= 0) reinterpret_cast<U*>(out + int64_t(r[u][0]) * os)[col[u]] = v[u];
+#pragma unroll
+        for (int kk = 0; kk < KG; ++kk)
+          if (r[u][kk] >= 0) reinterpret_cast<U*>(out + int64_t(r[u][kk]) * os)[col[u]] = v[u];
     }
   }
   if (bad.t >= 0) bad_row("moe_permute", map, bad.k, bad.t, N);
@@ -609,6 +626,61 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
   }
   if (bad.t >= 0) bad_row("moe_unpermute_backward", map, bad.k, bad.t, N);
   if (dup >= 0) duplicate_row(dup);
+}
+
+// ---- K = 1: a warp a token ----
+// Top-1 routing (the two-expert pattern) moves whole rows and nothing else. A warp takes a token at
+// a time, each lane CH vectors of the row at a time with all their loads issued before any store,
+// and the next token's map entry is loaded with this token's rows: more bytes in flight a thread
+// than the flattened kernels, no shared memory and no producer. The arithmetic is that of the
+// kernels above, in the same order (bitwise equal to the token-tile kernel it replaced at K = 1).
+constexpr int kRowThreads = 256, kRowWarps = kRowThreads / 32;
+
+template <class S, int VEC, int CH>
+__global__ void __launch_bounds__(kRowThreads) moe_unpermute_k1_kernel(const S* __restrict__ y, int64_t ys, int64_t N,
+                                                                       S* __restrict__ out, int64_t os, MapRef map,
+                                                                       const float* __restrict__ probs, int64_t ps0,
+                                                                       int64_t T, uint32_t V) {
+  using C = typename dcompute<S>::type;
+  using W = Vec<S, VEC>;
+  const int lane = threadIdx.x & 31;
+  const int64_t step = int64_t(gridDim.x) * kRowWarps;
+  BadEntry bad;
+  int64_t t = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  int32_t r[1] = {-1};
+  if (t < T) load_rows<1>(map, 0, 1, t, N, r, bad);
+  for (; t < T; t += step) {
+    int32_t rn[1] = {-1};
+    if (t + step < T) load_rows<1>(map, 0, 1, t + step, N, rn, bad);
+    const bool kept = r[0] >= 0;
+    const C w = probs && kept ? C(probs[t * ps0]) : C(1);
+    const W* src = reinterpret_cast<const W*>(y + int64_t(kept ? r[0] : 0) * ys);
+    W* dst = reinterpret_cast<W*>(out + t * os);
+    for (uint32_t c0 = lane; c0 < V; c0 += 32 * CH) {
+      const int left = int(V - c0);  // vectors u * 32 < left of this lane's CH are in the row
+      W v[CH];
+#pragma unroll
+      for (int u = 0; u < CH; ++u)
+        if (kept && u * 32 < left) v[u] = load_ro(src + c0 + u * 32);
+#pragma unroll
+      for (int u = 0; u < CH; ++u) {
+        if (u * 32 >= left) continue;
+        W o;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+          o.v[e] = cuda::dstore<S>(kept ? cuda::add_rn(C(0), cuda::mul_rn(w, C(cuda::dload(v[u].v[e])))) : C(0));
+        dst[c0 + u * 32] = o;
+      }
+    }
+    r[0] = rn[0];
+  }
+  if (bad.t >= 0) bad_row("moe_unpermute", map, bad.k, bad.t, N);
+}
+
+// Blocks of a K = 1 kernel: enough for every token, at most those resident at once.
+unsigned row_blocks(const void* kernel, int64_t T) {
+  return unsigned(std::max<int64_t>(
+      1, std::min<int64_t>((T + kRowWarps - 1) / kRowWarps, cuda::resident_blocks(kernel, kRowThreads, 0))));
 }
 
 // ---- token-tile paths (sm_90+): unpermute and its backward ----
@@ -1046,10 +1118,20 @@ void moe_permute_cuda(const TensorView& x, const TensorView& map, TensorView& ou
   const bool small = T * V < (int64_t(1) << 31);
   dispatch_vec(b, [&](auto bc) {
     constexpr int B = decltype(bc)::value;
-    auto kernel = small ? &moe_permute_kernel<B, true> : &moe_permute_kernel<B, false>;
-    kernel<<<flat_blocks(T * V, kPermUnroll), kFlatThreads, 0, stream>>>(
-        static_cast<const char*>(x.data), x.stride[0] * es, static_cast<char*>(out.data), out.stride[0] * es, N,
-        map_ref(map), T, K, V, FastDiv(V));
+    // the map entries of two k a step at K >= 2: H200 2026-12-04 ~17:35 UTC, % of copy, top-2 of 8 T16k
+    // H4096 88.2 vs 86.9 (one k), top-8 of 64 T64k H2048 85.4 vs 85.1; four or eight k a step
+    // lost (registers: 75 and 99 vs 62; top-2 at eight: 68.8)
+    auto go = [&](auto kgc) {
+      constexpr int KG = decltype(kgc)::value;
+      auto kernel = small ? &moe_permute_kernel<B, true, KG> : &moe_permute_kernel<B, false, KG>;
+      kernel<<<flat_blocks(T * V, kPermUnroll), kFlatThreads, 0, stream>>>(
+          static_cast<const char*>(x.data), x.stride[0] * es, static_cast<char*>(out.data), out.stride[0] * es, N,
+          map_ref(map), T, K, V, FastDiv(V));
+    };
+    if (K >= 2)
+      go(std::integral_constant<int, 2>{});
+    else
+      go(std::integral_constant<int, 1>{});
     MMFUSE_CUDA_CHECK_LAUNCH("moe_permute_kernel");
   });
 }
@@ -1080,9 +1162,9 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                   constexpr int VEC = std::decay_t<decltype(vc)>::value;
                   const uint32_t V = uint32_t(H / VEC);
                   const float* p = static_cast<const float*>(probs.data);
-                  // one vector a thread; one row (K = 1) or two rows (K >= 2) a step. Measured on the
-                  // H200 (2026-12-03 ~12:07 UTC): more in flight a thread costs registers and loses
-                  // (top-8: 2 rows 65 %, 4 rows 50 %, 8 rows 23 % of copy; K = 1: 1 vector 66 %, 2: 58 %)
+                  // The general kernel (K >= 2 where the tile path does not apply): one vector a thread,
+                  // two rows a step. Measured on the H200 (2026-12-03 ~12:07 UTC): more in flight a
+                  // thread costs registers and loses (top-8: 2 rows 65 %, 4 rows 50 %, 8 rows 23 % of copy)
                   auto launch = [&](auto kg, auto rr) {
                     constexpr int KG = decltype(kg)::value, R = decltype(rr)::value;
                     auto kernel = T * V < (int64_t(1) << 31) ? &moe_unpermute_kernel<D, VEC, KG, R, true>
@@ -1091,11 +1173,29 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                         static_cast<const D*>(y.data), y.stride[0], N, static_cast<D*>(out.data), out.stride[0],
                         map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V, FastDiv(V));
                   };
+                  if (K == 1) {
+                    // A warp a token, 8 vectors a lane at a time (4 for rows under 256 vectors).
+                    // Measured on the H200 (2026-12-04 ~17:25 UTC, % of copy, vs the token-tile path):
+                    // two experts T16k H2048 83.4 vs 74.2, H4096 86.9 vs 71.4, top-1 of 8 82.6 vs
+                    // 74.6, 10 % dropped 80.5 vs 77.3, T64k H1024 86.0 (4 a lane; 8: 77.6) vs 54.4.
+                    auto go = [&](auto chc) {
+                      constexpr int CH = decltype(chc)::value;
+                      auto kernel = &moe_unpermute_k1_kernel<D, VEC, CH>;
+                      kernel<<<row_blocks(reinterpret_cast<const void*>(kernel), T), kRowThreads, 0, stream>>>(
+                          static_cast<const D*>(y.data), y.stride[0], N, static_cast<D*>(out.data), out.stride[0],
+                          map_ref(map), p, p ? probs.stride[0] : 0, T, V);
+                    };
+                    if (V >= 256)
+                      go(std::integral_constant<int, 8>{});
+                    else
+                      go(std::integral_constant<int, 4>{});
+                    MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_k1_kernel");
+                    return;
+                  }
                   if constexpr (kTileType<D, VEC>) {
-                    // Every K. Measured on the H200 (2026-12-04 UTC, % of copy, the tile path at 11:37
+                    // K >= 2. Measured on the H200 (2026-12-04 UTC, % of copy, the tile path at 11:37
                     // vs the general kernel): top-2 of 8 T16k H4096 83.8 vs 71.4 and top-8 of 64 T64k
-                    // H2048 97.7 vs 67.8 (04:26), top-1 T16k H2048 70.6 vs 66.9 (10:11); with two
-                    // producer warps (14:17) 80.0, 99.2 and 76.1.
+                    // H2048 97.7 vs 67.8 (04:26); with two producer warps (14:17) 80.0 and 99.2.
                     TileArgs ta = tile_args(y, map, probs, out);
                     ta.stage_bytes = ta.K * ta.row_bytes;
                     ta.stage_y = true;
@@ -1103,10 +1203,7 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                                     "moe_unpermute_tile_kernel", 1, ta, stream))
                       return;
                   }
-                  if (K == 1)
-                    launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{});
-                  else
-                    launch(std::integral_constant<int, 2>{}, std::integral_constant<int, 1>{});
+                  launch(std::integral_constant<int, 2>{}, std::integral_constant<int, 1>{});
                   MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_kernel");
                 });
 }
