@@ -15,9 +15,9 @@
 // its K destination rows; unpermute reads the K rows of token t and writes out[t]; the backward reads
 // dout[t] once and writes K rows of dy. Rows move as 16-byte vectors when their size and alignment
 // allow (8, 4, 2, 1 otherwise); sums are fp32 (fp64 for fp64) in k order with explicit rounding.
-// Unpermute at K = 1 runs a warp a token (whole rows in flight in registers); with 2 to 8 rows a
-// token it takes a token-tile path on sm_90+ (TMA bulk copies of whole rows into staged shared
-// memory; see below), as does the backward for tokens of up to 48 KB.
+// Unpermute at K <= 2 runs a warp a token (rows in flight in registers); with 3 to 8 rows a token
+// it takes a token-tile path on sm_90+ (TMA bulk copies of whole rows into staged shared memory;
+// see below), as does the backward for tokens of up to 48 KB.
 // The backward also marks each row it writes in a bitmap (caller workspace, cleared first); a last
 // small launch zeroes the rows no entry maps to.
 #include <cuda_runtime.h>
@@ -628,56 +628,78 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
   if (dup >= 0) duplicate_row(dup);
 }
 
-// ---- K = 1: a warp a token ----
-// Top-1 routing (the two-expert pattern) moves whole rows and nothing else. A warp takes a token at
-// a time, each lane CH vectors of the row at a time with all their loads issued before any store,
-// and the next token's map entry is loaded with this token's rows: more bytes in flight a thread
-// than the flattened kernels, no shared memory and no producer. The arithmetic is that of the
-// kernels above, in the same order (bitwise equal to the token-tile kernel it replaced at K = 1).
+// ---- K <= 2: a warp a token ----
+// Top-1 and top-2 routing (the two-expert pattern, top-2 of 8) move whole rows with little
+// arithmetic. A warp takes a token at a time, each lane CH vectors of each of the token's KG rows
+// at a time with all their loads issued before any store, and the next token's map entries are
+// loaded with this token's rows: more bytes in flight a thread than the flattened kernels, no
+// shared memory and no producer. The arithmetic is that of the kernels above, in the same order
+// (fp32 from zero in k order: bitwise equal to the token-tile kernel it replaced at K <= 2).
 constexpr int kRowThreads = 256, kRowWarps = kRowThreads / 32;
 
-template <class S, int VEC, int CH>
-__global__ void __launch_bounds__(kRowThreads) moe_unpermute_k1_kernel(const S* __restrict__ y, int64_t ys, int64_t N,
-                                                                       S* __restrict__ out, int64_t os, MapRef map,
-                                                                       const float* __restrict__ probs, int64_t ps0,
-                                                                       int64_t T, uint32_t V) {
+template <class S, int VEC, int KG, int CH>
+__global__ void __launch_bounds__(kRowThreads)
+    moe_unpermute_warp_kernel(const S* __restrict__ y, int64_t ys, int64_t N, S* __restrict__ out, int64_t os,
+                              MapRef map, const float* __restrict__ probs, int64_t ps0, int64_t ps1, int64_t T,
+                              int64_t K, uint32_t V) {
   using C = typename dcompute<S>::type;
   using W = Vec<S, VEC>;
   const int lane = threadIdx.x & 31;
   const int64_t step = int64_t(gridDim.x) * kRowWarps;
   BadEntry bad;
+  if constexpr (KG == 1) K = 1;  // the map entries past the first are never read
   int64_t t = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
-  int32_t r[1] = {-1};
-  if (t < T) load_rows<1>(map, 0, 1, t, N, r, bad);
+  int32_t r[KG];
+#pragma unroll
+  for (int kk = 0; kk < KG; ++kk) r[kk] = -1;
+  if (t < T) load_rows<KG>(map, 0, K, t, N, r, bad);
   for (; t < T; t += step) {
-    int32_t rn[1] = {-1};
-    if (t + step < T) load_rows<1>(map, 0, 1, t + step, N, rn, bad);
-    const bool kept = r[0] >= 0;
-    const C w = probs && kept ? C(probs[t * ps0]) : C(1);
-    const W* src = reinterpret_cast<const W*>(y + int64_t(kept ? r[0] : 0) * ys);
+    int32_t rn[KG];
+#pragma unroll
+    for (int kk = 0; kk < KG; ++kk) rn[kk] = -1;
+    if (t + step < T) load_rows<KG>(map, 0, K, t + step, N, rn, bad);
+    C w[KG];
+    const W* src[KG];
+#pragma unroll
+    for (int kk = 0; kk < KG; ++kk) {
+      w[kk] = probs && r[kk] >= 0 ? C(probs[t * ps0 + kk * ps1]) : C(1);
+      src[kk] = reinterpret_cast<const W*>(y + int64_t(r[kk] >= 0 ? r[kk] : 0) * ys);
+    }
     W* dst = reinterpret_cast<W*>(out + t * os);
     for (uint32_t c0 = lane; c0 < V; c0 += 32 * CH) {
       const int left = int(V - c0);  // vectors u * 32 < left of this lane's CH are in the row
-      W v[CH];
+      W v[KG][CH];
 #pragma unroll
-      for (int u = 0; u < CH; ++u)
-        if (kept && u * 32 < left) v[u] = load_ro(src + c0 + u * 32);
+      for (int kk = 0; kk < KG; ++kk)
+#pragma unroll
+        for (int u = 0; u < CH; ++u)
+          if (r[kk] >= 0 && u * 32 < left) v[kk][u] = load_ro(src[kk] + c0 + u * 32);
 #pragma unroll
       for (int u = 0; u < CH; ++u) {
         if (u * 32 >= left) continue;
+        C acc[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] = C(0);
+#pragma unroll
+        for (int kk = 0; kk < KG; ++kk) {
+          if (r[kk] < 0) continue;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e)
+            acc[e] = cuda::add_rn(acc[e], cuda::mul_rn(w[kk], C(cuda::dload(v[kk][u].v[e]))));
+        }
         W o;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e)
-          o.v[e] = cuda::dstore<S>(kept ? cuda::add_rn(C(0), cuda::mul_rn(w, C(cuda::dload(v[u].v[e])))) : C(0));
+        for (int e = 0; e < VEC; ++e) o.v[e] = cuda::dstore<S>(acc[e]);
         dst[c0 + u * 32] = o;
       }
     }
-    r[0] = rn[0];
+#pragma unroll
+    for (int kk = 0; kk < KG; ++kk) r[kk] = rn[kk];
   }
   if (bad.t >= 0) bad_row("moe_unpermute", map, bad.k, bad.t, N);
 }
 
-// Blocks of a K = 1 kernel: enough for every token, at most those resident at once.
+// Blocks of a warp-a-token kernel: enough for every token, at most those resident at once.
 unsigned row_blocks(const void* kernel, int64_t T) {
   return unsigned(std::max<int64_t>(
       1, std::min<int64_t>((T + kRowWarps - 1) / kRowWarps, cuda::resident_blocks(kernel, kRowThreads, 0))));
@@ -1162,7 +1184,7 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                   constexpr int VEC = std::decay_t<decltype(vc)>::value;
                   const uint32_t V = uint32_t(H / VEC);
                   const float* p = static_cast<const float*>(probs.data);
-                  // The general kernel (K >= 2 where the tile path does not apply): one vector a thread,
+                  // The general kernel (K >= 3 where the tile path does not apply): one vector a thread,
                   // two rows a step. Measured on the H200 (2026-12-03 ~12:07 UTC): more in flight a
                   // thread costs registers and loses (top-8: 2 rows 65 %, 4 rows 50 %, 8 rows 23 % of copy)
                   auto launch = [&](auto kg, auto rr) {
@@ -1173,29 +1195,34 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                         static_cast<const D*>(y.data), y.stride[0], N, static_cast<D*>(out.data), out.stride[0],
                         map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V, FastDiv(V));
                   };
-                  if (K == 1) {
-                    // A warp a token, 8 vectors a lane at a time (4 for rows under 256 vectors).
-                    // Measured on the H200 (2026-12-04 ~17:25 UTC, % of copy, vs the token-tile path):
-                    // two experts T16k H2048 83.4 vs 74.2, H4096 86.9 vs 71.4, top-1 of 8 82.6 vs
-                    // 74.6, 10 % dropped 80.5 vs 77.3, T64k H1024 86.0 (4 a lane; 8: 77.6) vs 54.4.
-                    auto go = [&](auto chc) {
-                      constexpr int CH = decltype(chc)::value;
-                      auto kernel = &moe_unpermute_k1_kernel<D, VEC, CH>;
+                  if (K <= 2) {
+                    // A warp a token: at K = 1, 8 vectors a lane at a time (4 for rows under 256
+                    // vectors); at K = 2, 4 vectors of each row. Measured on the H200 (2026-12-04, %
+                    // of copy, vs the token-tile path), K = 1 (~17:25 UTC): two experts T16k H2048
+                    // 83.4 vs 74.2, H4096 86.9 vs 71.4, top-1 of 8 82.6 vs 74.6, 10 % dropped 80.5 vs
+                    // 77.3, T64k H1024 86.0 (4 a lane; 8: 77.6) vs 54.4; K = 2 (~18:53): top-2 of 8
+                    // T16k H4096 92.0 vs 79.6, H2048 86.7 vs 73.5, H7168 93.6 vs 82.8, T32k H1024
+                    // 83.2 vs 71.5, H4096 10 % dropped 88.9 vs 74.8.
+                    auto go = [&](auto kgc, auto chc) {
+                      constexpr int KG = decltype(kgc)::value, CH = decltype(chc)::value;
+                      auto kernel = &moe_unpermute_warp_kernel<D, VEC, KG, CH>;
                       kernel<<<row_blocks(reinterpret_cast<const void*>(kernel), T), kRowThreads, 0, stream>>>(
                           static_cast<const D*>(y.data), y.stride[0], N, static_cast<D*>(out.data), out.stride[0],
-                          map_ref(map), p, p ? probs.stride[0] : 0, T, V);
+                          map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V);
                     };
-                    if (V >= 256)
-                      go(std::integral_constant<int, 8>{});
+                    if (K == 2)
+                      go(std::integral_constant<int, 2>{}, std::integral_constant<int, 4>{});
+                    else if (V >= 256)
+                      go(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{});
                     else
-                      go(std::integral_constant<int, 4>{});
-                    MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_k1_kernel");
+                      go(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});
+                    MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_warp_kernel");
                     return;
                   }
                   if constexpr (kTileType<D, VEC>) {
-                    // K >= 2. Measured on the H200 (2026-12-04 UTC, % of copy, the tile path at 11:37
-                    // vs the general kernel): top-2 of 8 T16k H4096 83.8 vs 71.4 and top-8 of 64 T64k
-                    // H2048 97.7 vs 67.8 (04:26); with two producer warps (14:17) 80.0 and 99.2.
+                    // K >= 3. Measured on the H200 (2026-12-04 UTC, % of copy, the tile path vs the
+                    // general kernel): top-8 of 64 T64k H2048 97.7 vs 67.8 (04:26); with two producer
+                    // warps 99.2 (14:17).
                     TileArgs ta = tile_args(y, map, probs, out);
                     ta.stage_bytes = ta.K * ta.row_bytes;
                     ta.stage_y = true;
