@@ -647,7 +647,6 @@ __global__ void __launch_bounds__(kRowThreads)
   const int lane = threadIdx.x & 31;
   const int64_t step = int64_t(gridDim.x) * kRowWarps;
   BadEntry bad;
-  if constexpr (KG == 1) K = 1;  // the map entries past the first are never read
   int64_t t = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   int32_t r[KG];
 #pragma unroll
@@ -1184,19 +1183,8 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                   constexpr int VEC = std::decay_t<decltype(vc)>::value;
                   const uint32_t V = uint32_t(H / VEC);
                   const float* p = static_cast<const float*>(probs.data);
-                  // The general kernel (K >= 3 where the tile path does not apply): one vector a thread,
-                  // two rows a step. Measured on the H200 (2026-12-03 ~12:07 UTC): more in flight a
-                  // thread costs registers and loses (top-8: 2 rows 65 %, 4 rows 50 %, 8 rows 23 % of copy)
-                  auto launch = [&](auto kg, auto rr) {
-                    constexpr int KG = decltype(kg)::value, R = decltype(rr)::value;
-                    auto kernel = T * V < (int64_t(1) << 31) ? &moe_unpermute_kernel<D, VEC, KG, R, true>
-                                                             : &moe_unpermute_kernel<D, VEC, KG, R, false>;
-                    kernel<<<flat_blocks(T * V, R), kFlatThreads, 0, stream>>>(
-                        static_cast<const D*>(y.data), y.stride[0], N, static_cast<D*>(out.data), out.stride[0],
-                        map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V, FastDiv(V));
-                  };
                   if (K <= 2) {
-                    // A warp a token: at K = 1, 8 vectors a lane at a time (4 for rows under 256
+                    // A warp a token (K = 0: zeros): at K = 1, 8 vectors a lane at a time (4 for rows under 256
                     // vectors); at K = 2, 4 vectors of each row. Measured on the H200 (2026-12-04, %
                     // of copy, vs the token-tile path), K = 1 (~17:25 UTC): two experts T16k H2048
                     // 83.4 vs 74.2, H4096 86.9 vs 71.4, top-1 of 8 82.6 vs 74.6, 10 % dropped 80.5 vs
@@ -1230,7 +1218,14 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                                     "moe_unpermute_tile_kernel", 1, ta, stream))
                       return;
                   }
-                  launch(std::integral_constant<int, 2>{}, std::integral_constant<int, 1>{});
+                  // The general kernel (K >= 3 where the tile path does not apply): one vector a thread,
+                  // two rows a step. Measured on the H200 (2026-12-03 ~12:07 UTC): more in flight a
+                  // thread costs registers and loses (top-8: 2 rows 65 %, 4 rows 50 %, 8 rows 23 % of copy)
+                  auto kernel = T * V < (int64_t(1) << 31) ? &moe_unpermute_kernel<D, VEC, 2, 1, true>
+                                                           : &moe_unpermute_kernel<D, VEC, 2, 1, false>;
+                  kernel<<<flat_blocks(T * V, 1), kFlatThreads, 0, stream>>>(
+                      static_cast<const D*>(y.data), y.stride[0], N, static_cast<D*>(out.data), out.stride[0],
+                      map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V, FastDiv(V));
                   MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_kernel");
                 });
 }

@@ -69,6 +69,18 @@ def test_against_float64_reference(K, E, T, drop, device):
     assert torch.equal(ones, _reference(x, idx, None, num_out)[2])
 
 
+@pytest.mark.parametrize("H", [13, 4096])
+@pytest.mark.parametrize("device", DEVICES)
+def test_unpermute_with_no_entries_gives_zeros(H, device):
+    # a row_id_map of K = 0 rows: every token sums nothing (and no map entry may be read)
+    y = torch.randn(5, H, device=device).bfloat16()
+    m = torch.empty(0, 7, dtype=torch.int32, device=device)
+    out = mmfuse.moe_unpermute(y, m)
+    assert out.shape == (7, H) and torch.equal(out.cpu(), torch.zeros(7, H, dtype=torch.bfloat16))
+    out = mmfuse.moe_unpermute(y, m, torch.rand(7, 0, device=device))
+    assert torch.equal(out.cpu(), torch.zeros(7, H, dtype=torch.bfloat16))
+
+
 def test_gradcheck_float64():
     g = torch.Generator().manual_seed(0)
     for K, drop in ((1, None), (2, None), (3, 7)):
