@@ -10,6 +10,9 @@
 
 #include "mmfuse/dual_gemm.h"
 #include "test_util.h"
+#ifdef MMFUSE_WITH_CUDA
+#include "cuda/dual_gemm_sm90.h"
+#endif
 
 using namespace mmfuse;
 using namespace mmfuse::test;
@@ -20,13 +23,17 @@ struct Expert {
   int64_t m, n, k;
 };
 
-// Runs dual_gemm on the host views (on the GPU with cuda: through device copies, outputs poisoned
-// there unless accumulating).
+// Where a check runs: the CPU, the CUDA entry point (whichever path it picks), or the persistent
+// sm_90a kernel called directly.
+enum class Run { kCpu, kCuda, kPersistent };
+
+// Runs dual_gemm on the host views (on the GPU: through device copies, outputs poisoned there
+// unless accumulating).
 template <class S, class O>
 void run_dual(TensorView (&av)[2], TensorView (&wv)[2], TensorView (&ov)[2], std::vector<S> (&a)[2],
-              std::vector<S> (&w)[2], std::vector<O> (&out)[2], const DualGemmOptions& opt, bool cuda) {
+              std::vector<S> (&w)[2], std::vector<O> (&out)[2], const DualGemmOptions& opt, Run run) {
   TensorView none;
-  if (!cuda) return dual_gemm(av[0], wv[0], ov[0], av[1], wv[1], ov[1], opt, none, nullptr);
+  if (run == Run::kCpu) return dual_gemm(av[0], wv[0], ov[0], av[1], wv[1], ov[1], opt, none, nullptr);
 #ifdef MMFUSE_WITH_CUDA
   DeviceBuffer<S> da0(a[0]), da1(a[1]), dw0(w[0]), dw1(w[1]);
   DeviceBuffer<O> do0(out[0]), do1(out[1]);
@@ -46,7 +53,14 @@ void run_dual(TensorView (&av)[2], TensorView (&wv)[2], TensorView (&ov)[2], std
   TensorView cws = device_view(ws.ptr, DType::kUInt8, {int64_t(ws.n)});
   cudaStream_t s = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-  dual_gemm(ca[0], cw[0], co[0], ca[1], cw[1], co[1], opt, cws, s);
+  if (run == Run::kPersistent) {
+    auto k_of = [&](const TensorView& x) { return opt.trans_a ? x.shape[0] : x.shape[1]; };
+    const detail::Sm90Expert ex[2] = {{&ca[0], &cw[0], &co[0], co[0].shape[0], co[0].shape[1], k_of(ca[0])},
+                                      {&ca[1], &cw[1], &co[1], co[1].shape[0], co[1].shape[1], k_of(ca[1])}};
+    detail::sm90_dual_gemm(ex, opt, s);
+  } else {
+    dual_gemm(ca[0], cw[0], co[0], ca[1], cw[1], co[1], opt, cws, s);
+  }
   ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
   cudaStreamDestroy(s);
   out[0] = do0.download();
@@ -58,7 +72,7 @@ void run_dual(TensorView (&av)[2], TensorView (&wv)[2], TensorView (&ov)[2], std
 
 // Checks one random dual problem of input type S and output type O against float64.
 template <class S, class O>
-void check_dual(std::mt19937_64& rng, Expert e0, Expert e1, bool ta, bool tb, bool accumulate, bool cuda = false) {
+void check_dual(std::mt19937_64& rng, Expert e0, Expert e1, bool ta, bool tb, bool accumulate, Run run = Run::kCpu) {
   const Expert es[2] = {e0, e1};
   std::vector<S> a[2], w[2];
   std::vector<O> out[2], before[2];
@@ -78,7 +92,7 @@ void check_dual(std::mt19937_64& rng, Expert e0, Expert e1, bool ta, bool tb, bo
   opt.trans_a = ta;
   opt.trans_b = tb;
   opt.accumulate = accumulate;
-  run_dual(av, wv, ov, a, w, out, opt, cuda);
+  run_dual(av, wv, ov, a, w, out, opt, run);
   const double out_eps = std::is_same_v<O, bf16> ? 1.0 / 256 : std::is_same_v<O, f16> ? 1.0 / 2048 : 1e-7;
   for (int e = 0; e < 2; ++e) {
     const auto [m, n, k] = es[e];
@@ -93,7 +107,7 @@ void check_dual(std::mt19937_64& rng, Expert e0, Expert e1, bool ta, bool tb, bo
         // fp32 accumulation of k products (and the sum with the old value), then one output rounding
         const double tol = double(k + 2) * std::ldexp(1.0, -23) * mag + out_eps * std::abs(ref) + 1e-30;
         const double got = as_double(out[e][i * n + j]);
-        ASSERT_LE(std::abs(got - ref), tol) << (cuda ? "CUDA " : "CPU ") << "expert " << e << " (" << m << "x" << n << "x" << k << ") ta " << ta
+        ASSERT_LE(std::abs(got - ref), tol) << (run == Run::kCpu ? "CPU " : run == Run::kCuda ? "CUDA " : "persistent ") << "expert " << e << " (" << m << "x" << n << "x" << k << ") ta " << ta
                                             << " tb " << tb << " acc " << accumulate << " at " << i << "," << j;
       }
   }
@@ -154,10 +168,44 @@ TEST(DualGemmCuda, AllLayoutsAgainstFloat64) {
   for (bool ta : {false, true})
     for (bool tb : {false, true})
       for (const auto& s : shapes) {
-        check_dual<bf16, bf16>(rng, s[0], s[1], ta, tb, false, true);
-        check_dual<bf16, float>(rng, s[0], s[1], ta, tb, true, true);
-        check_dual<f16, f16>(rng, s[0], s[1], ta, tb, false, true);
-        check_dual<float, float>(rng, s[0], s[1], ta, tb, false, true);
+        check_dual<bf16, bf16>(rng, s[0], s[1], ta, tb, false, Run::kCuda);
+        check_dual<bf16, float>(rng, s[0], s[1], ta, tb, true, Run::kCuda);
+        check_dual<f16, f16>(rng, s[0], s[1], ta, tb, false, Run::kCuda);
+        check_dual<float, float>(rng, s[0], s[1], ta, tb, false, Run::kCuda);
       }
+}
+
+// The persistent kernel itself, every layout: partial tiles in m, n and k, an empty expert, the
+// costlier problem second (the schedule reorders them), several tiles a CTA, fp32 outputs and
+// accumulation. Its operands need 16-byte row strides: the stored rows' lengths are multiples of 8,
+// and the remaining sizes are ragged where the layout allows it.
+TEST(DualGemmCuda, PersistentKernelAgainstFloat64) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  if (!detail::sm90_dual_gemm_supported(0)) GTEST_SKIP() << "not an sm_90 GPU, or no sm_90a code in this build";
+  std::mt19937_64 rng(test_seed());
+  const Expert aligned[][2] = {{{128, 256, 64}, {8, 8, 8}},          {{136, 264, 200}, {0, 24, 16}},
+                               {{8, 16, 2048}, {264, 264, 256}},    {{264, 520, 72}, {128, 136, 72}}};
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (const auto& s : aligned) {
+        check_dual<bf16, bf16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
+        check_dual<bf16, float>(rng, s[0], s[1], ta, tb, true, Run::kPersistent);
+        check_dual<f16, f16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
+        check_dual<f16, float>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
+      }
+  // more tiles than SMs (153 + 1): CTAs run several tiles, the second problem's in the tail
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) check_dual<bf16, bf16>(rng, {2176, 2304, 16}, {8, 8, 32}, ta, tb, false, Run::kPersistent);
+  // ragged m and n (a [m, k], w [n, k]: only k is a stored row length) and ragged k (a [k, m], w [k, n])
+  const Expert ragged_mn[][2] = {{{7, 33, 64}, {1, 300, 24}}, {{131, 257, 136}, {65, 1, 8}}};
+  const Expert ragged_k[][2] = {{{64, 72, 19}, {8, 256, 1}}, {{136, 264, 201}, {128, 8, 65}}};
+  for (const auto& s : ragged_mn) {
+    check_dual<bf16, bf16>(rng, s[0], s[1], false, true, false, Run::kPersistent);
+    check_dual<bf16, float>(rng, s[0], s[1], false, true, true, Run::kPersistent);
+  }
+  for (const auto& s : ragged_k) {
+    check_dual<bf16, bf16>(rng, s[0], s[1], true, false, false, Run::kPersistent);
+    check_dual<f16, float>(rng, s[0], s[1], true, false, true, Run::kPersistent);
+  }
 }
 #endif

@@ -121,7 +121,7 @@ def test_opcheck_compile_and_seed_function():
         backend.asym_dual_gmm_separated(a0, a1, w0, w1, torch.empty(16, 9).t(), out1)
 
 
-def test_bad_input():
+def test_bad_input(monkeypatch):
     a, w = torch.randn(6, 4).bfloat16(), torch.randn(4, 5).bfloat16()
     with pytest.raises(ValueError, match=r"w1: expected 4 along its k dim \(that of a1; trans_a=False, trans_b=False\)"):
         mmfuse.dual_gemm(a, w, a, torch.randn(5, 4).bfloat16())
@@ -136,10 +136,43 @@ def test_bad_input():
             mmfuse.dual_gemm(a.cuda(), w.cuda(), a.cuda(), w)
         with pytest.raises(ValueError, match="float64 is CPU only"):
             mmfuse.dual_gemm(*(t.double().cuda() for t in (a, w, a, w)))
+        monkeypatch.setenv("MMFUSE_DUAL_GEMM_PATH", "fastest")
+        with pytest.raises(ValueError, match="MMFUSE_DUAL_GEMM_PATH: expected auto, cublaslt or persistent, got 'fastest'"):
+            mmfuse.dual_gemm(a.cuda(), w.cuda(), a.cuda(), w.cuda())
 
 
 @needs_gpu
-def test_cuda_graph_capture_and_no_host_sync():
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shapes", [((1024, 2752, 2048), (128, 688, 2048)), ((264, 520, 72), (0, 24, 16)),
+                                    ((8, 16, 1000), (136, 264, 200))])
+def test_persistent_kernel_against_float64(ta, tb, dtype, shapes, monkeypatch):
+    """The sm_90a kernel forced (MMFUSE_DUAL_GEMM_PATH=persistent; on other GPUs the cuBLASLt path
+    runs): float64 bound, every output written (poisoned buffers), bitwise equal across runs."""
+    g = torch.Generator().manual_seed(hash((ta, tb, str(dtype), shapes)) % 2 ** 31)
+    (a0, w0), (a1, w1) = (_make(*s, ta, tb, dtype, g) for s in shapes)
+    dev = [t.cuda() for t in (a0, w0, a1, w1)]
+    monkeypatch.setenv("MMFUSE_DUAL_GEMM_PATH", "persistent")
+    outs = [torch.full((m, n), float("nan"), dtype=dtype, device="cuda") for m, n, _ in shapes]
+    mmfuse.dual_gemm_out(*dev, outs[0], outs[1], ta, tb)
+    again = mmfuse.dual_gemm(*dev, ta, tb)
+    for out, rerun, a, w in zip(outs, again, (a0, a1), (w0, w1)):
+        ref, tol = _bound(a, w, ta, tb, dtype)
+        assert bool(((out.cpu().double() - ref).abs() <= tol).all())
+        assert torch.equal(out, rerun)
+    bufs = [torch.randn(s[0], s[1], generator=g) for s in shapes]
+    dbufs = [b.cuda() for b in bufs]
+    mmfuse.dual_gemm_out(*dev, dbufs[0], dbufs[1], ta, tb, accumulate=True)
+    for b, b0, a, w in zip(dbufs, bufs, (a0, a1), (w0, w1)):
+        ref, tol = _bound(a, w, ta, tb, torch.float32)
+        assert bool(((b.cpu().double() - b0.double() - ref).abs() <= tol + 2 ** -23 * b0.double().abs()).all())
+
+
+@needs_gpu
+@pytest.mark.parametrize("path", ["cublaslt", "persistent"])
+def test_cuda_graph_capture_and_no_host_sync(path, monkeypatch):
+    monkeypatch.setenv("MMFUSE_DUAL_GEMM_PATH", path)
     g = torch.Generator().manual_seed(9)
     (a0, w0), (a1, w1) = _make(512, 384, 256, False, True, torch.bfloat16, g), _make(64, 128, 256, False, True,
                                                                                      torch.bfloat16, g)

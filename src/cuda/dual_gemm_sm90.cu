@@ -1,0 +1,424 @@
+// CUDA backend of the dual-expert GEMM, second path: one persistent sm_90a kernel over the output
+// tiles of both problems (issue 5). Each CTA (one an SM) walks a static share of the tile list, in
+// which the problem with the more expensive tiles (larger k; then more tiles) comes first, so that
+// the other problem's tiles fill the first one's last partial wave instead of running after it.
+//
+// A CTA is three warpgroups: warpgroup 0 is the producer (one thread issues the TMA bulk tensor
+// copies of A and B into a ring of kStages shared-memory stages, each completing on its stage's
+// "full" mbarrier), warpgroups 1 and 2 are the consumers (each computes 64 rows of the 128 x 256
+// tile with m64n256k16 wgmma from shared memory, releases a stage on its "empty" mbarrier once its
+// wgmma have read it, and stores its fp32 accumulators, rounded once, straight to the output).
+// Registers move from the producer to the consumers with setmaxnreg.
+//
+// Layouts: K-major operands (a [m, k], w [n, k]) arrive as one 64-wide (128-byte) box of rows;
+// M/N-major ones (a [k, m] with trans_a, w [k, n] without trans_b) as 64 x 64 boxes side by side,
+// read by wgmma with its transpose flag. All four use the 128-byte swizzle. TMA zero-fills what lies
+// outside the operands, so ragged m, n and k need no masking in the main loop; the epilogue masks.
+//
+// The kernel needs 16-byte-aligned operands with row strides a multiple of 16 bytes (TMA) and an
+// sm_90a cubin; dual_gemm.cu asks sm90_dual_gemm_supported() and otherwise uses the cuBLASLt path.
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime)
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <mutex>
+
+#include "common/cuda_check.h"
+#include "cuda/device_util.cuh"
+#include "cuda/dual_gemm_sm90.h"
+
+namespace mmfuse {
+namespace detail {
+namespace {
+
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kThreads = 384;
+constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
+constexpr int kBox = 64 * 64 * 2;  // one 64 x 64 box of an M/N-major operand
+constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* 1024-byte alignment of the swizzled tiles */ +
+                           2 * kStages * 8 /* barriers */;
+
+enum OutKind : int { kOutInput = 0, kOutFloat = 1, kOutFloatAccumulate = 2 };
+
+struct Problem {
+  int m, n, k, tiles_m, tiles;  // tiles = tiles_m * tiles_n
+  int out_kind;
+  void* out;
+};
+
+struct Params {
+  Problem p[2];  // in schedule order: p[0]'s tiles first
+  int total_tiles;
+};
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MMFUSE_SM90A 1
+#endif
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+#ifdef MMFUSE_SM90A
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+// One 2-D box of a tensor map into shared memory; completes `bar`'s transaction bytes. c0 is the
+// inner (contiguous) coordinate.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_u32(dst)),
+      "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle: start, leading and stride byte offsets.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) |
+         (uint64_t((sbo >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across a wgmma fence or wait.
+__device__ __forceinline__ void fence_acc(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// The 128 accumulators of one m64n256k16 wgmma (the fragment layout of PTX's "wgmma .m64nNk16 D").
+#define MMFUSE_WGMMA_N256(TYPE)                                                                        \
+  asm volatile(                                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                    \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"                                \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"                                                                   \
+      "}, %128, %129, p, 1, 1, %131, %132;\n}\n"                                                      \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])                                                                                           \
+      : "l"(da), "l"(db), "r"(scale_d), "n"(int(TA)), "n"(int(!TB)))
+
+// d (+)= A[64 x 16] B[16 x 256] from shared memory; scale_d = 0 overwrites d.
+template <class T, bool TA, bool TB>
+__device__ __forceinline__ void wgmma_n256(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    MMFUSE_WGMMA_N256("bf16");
+  else
+    MMFUSE_WGMMA_N256("f16");
+}
+#undef MMFUSE_WGMMA_N256
+
+// Stores (or adds) a thread's accumulators: fragment element 4j + 2h + c is row 16 w + l / 4 + 8 h,
+// column 8 j + 2 (l % 4) + c of the warpgroup's 64 x 256 block (warp w, lane l).
+template <class T>
+__device__ __forceinline__ void store_tile(const float (&d)[128], const Problem& p, int row0, int col0) {
+  const int out_kind = p.out_kind;
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  const int r0 = row0 + 16 * warp + lane / 4, c0 = col0 + 2 * (lane % 4);
+  const bool pairs = (p.n % 2) == 0;  // even n: a (row, even column) pair is aligned and in bounds
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    if (r >= p.m) continue;
+    const size_t row = size_t(r) * size_t(p.n);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int c = c0 + 8 * j;
+      if (c >= p.n) continue;
+      const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+      const bool two = c + 1 < p.n;
+      if (out_kind == kOutInput) {
+        T* o = static_cast<T*>(p.out) + row + c;
+        if (pairs) {
+          if constexpr (std::is_same_v<T, __nv_bfloat16>)
+            *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
+          else
+            *reinterpret_cast<__half2*>(o) = __floats2half2_rn(v0, v1);
+        } else {
+          o[0] = T(v0);
+          if (two) o[1] = T(v1);
+        }
+      } else {
+        float* o = static_cast<float*>(p.out) + row + c;
+        const bool acc = out_kind == kOutFloatAccumulate;
+        if (pairs) {
+          float2 v = make_float2(v0, v1);
+          if (acc) {
+            const float2 old = *reinterpret_cast<const float2*>(o);
+            v.x = __fadd_rn(old.x, v0);
+            v.y = __fadd_rn(old.y, v1);
+          }
+          *reinterpret_cast<float2*>(o) = v;
+        } else {
+          o[0] = acc ? __fadd_rn(o[0], v0) : v0;
+          if (two) o[1] = acc ? __fadd_rn(o[1], v1) : v1;
+        }
+      }
+    }
+  }
+}
+
+struct TileCoord {
+  int e, m0, n0;
+};
+__device__ __forceinline__ TileCoord tile_coord(const Params& prm, int t) {
+  const int e = t >= prm.p[0].tiles;
+  const int local = e ? t - prm.p[0].tiles : t;
+  const Problem& p = prm.p[e];
+  return {e, (local % p.tiles_m) * kBM, (local / p.tiles_m) * kBN};
+}
+#endif  // MMFUSE_SM90A
+
+// Tensor maps: a (ma*) and w (mw*) of the two problems in schedule order.
+template <class T, bool TA, bool TB>
+__global__ void __launch_bounds__(kThreads, 1)
+    dual_gemm_sm90_kernel(const __grid_constant__ CUtensorMap ma0, const __grid_constant__ CUtensorMap mw0,
+                          const __grid_constant__ CUtensorMap ma1, const __grid_constant__ CUtensorMap mw1,
+                          const __grid_constant__ Params prm) {
+#ifdef MMFUSE_SM90A
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);      // the producer's expect_tx arrival (plus the TMA bytes)
+      mbar_init(&empty[s], 8);     // one arrival from each consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
+        const TileCoord tc = tile_coord(prm, t);
+        const CUtensorMap* ma = tc.e ? &ma1 : &ma0;
+        const CUtensorMap* mw = tc.e ? &mw1 : &mw0;
+        const int kb_count = (prm.p[tc.e].k + kBK - 1) / kBK;
+        for (int kb = 0; kb < kb_count; ++kb) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          unsigned char* sa = smem + stage * kStageBytes;
+          unsigned char* sb = sa + kABytes;
+          mbar_expect_tx(&full[stage], kStageBytes);
+          const int k0 = kb * kBK;
+          if constexpr (!TA) {
+            tma_load(sa, ma, &full[stage], k0, tc.m0);
+          } else {
+            tma_load(sa, ma, &full[stage], tc.m0, k0);
+            tma_load(sa + kBox, ma, &full[stage], tc.m0 + 64, k0);
+          }
+          if constexpr (TB) {
+            tma_load(sb, mw, &full[stage], k0, tc.n0);
+          } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) tma_load(sb + i * kBox, mw, &full[stage], tc.n0 + 64 * i, k0);
+          }
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+  } else {  // consumers: warpgroup c computes rows 64 c .. 64 c + 63 of each tile
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int c = wg - 1;
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
+      const TileCoord tc = tile_coord(prm, t);
+      const int kb_count = (prm.p[tc.e].k + kBK - 1) / kBK;
+      int prev = -1;
+      for (int kb = 0; kb < kb_count; ++kb) {
+        mbar_wait(&full[stage], phase);
+        const uint32_t sa = smem_u32(smem + stage * kStageBytes) + c * (kABytes / 2);
+        const uint32_t sb = smem_u32(smem + stage * kStageBytes + kABytes);
+        fence_acc(d);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          // K-major: rows of 128 bytes, 8-row groups 1024 bytes apart, k16 steps 32 bytes in. M/N-major:
+          // 64-element atoms of 128-byte rows (one row a k), atoms kBox apart, k16 steps 2048 bytes.
+          const uint64_t da = TA ? smem_desc(sa + kk * 2048, kBox, 1024) : smem_desc(sa + kk * 32, 16, 1024);
+          const uint64_t db = TB ? smem_desc(sb + kk * 32, 16, 1024) : smem_desc(sb + kk * 2048, kBox, 1024);
+          wgmma_n256<T, TA, TB>(d, da, db, (kb > 0 || kk > 0) ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous stage's wgmma are done: release it
+        fence_acc(d);
+        if (prev >= 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[prev]);
+        prev = stage;
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      wgmma_wait<0>();
+      fence_acc(d);
+      if (prev >= 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[prev]);
+      store_tile<T>(d, prm.p[tc.e], tc.m0 + 64 * c, tc.n0);
+    }
+  }
+#endif  // MMFUSE_SM90A
+}
+
+// ---- host ------------------------------------------------------------------------------------
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    MMFUSE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+    MMFUSE_CHECK(q == cudaDriverEntryPointSuccess && p, "dual_gemm: the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A [rows, cols] row-major operand with row stride ld (elements) as a tensor map of box_cols x
+// box_rows boxes (box_cols * 2 = 128 bytes: the swizzle span).
+CUtensorMap operand_map(const TensorView& v, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(v.shape[1]), cuuint64_t(v.shape[0])};
+  const cuuint64_t strides[1] = {cuuint64_t(std::max<int64_t>(v.stride[0], v.shape[1])) * 2};
+  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, estr[2] = {1, 1};
+  const CUtensorMapDataType type =
+      v.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult r = tensor_map_encoder()(&map, type, 2, v.data, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MMFUSE_CHECK(r == CUDA_SUCCESS, "dual_gemm: cuTensorMapEncodeTiled failed (", int(r), ") for a ", shape_str(v),
+               " operand");
+  return map;
+}
+
+template <class T, bool TA, bool TB>
+void launch(const Sm90Expert (&ex)[2], bool accumulate, cudaStream_t stream) {
+  auto kernel = dual_gemm_sm90_kernel<T, TA, TB>;
+  const int dev = cuda::current_device();
+  cuda::cached_fact(std::make_tuple(dev, reinterpret_cast<const void*>(kernel), 0), [&] {
+    MMFUSE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    return 0;
+  });
+  const int sms = cuda::cached_fact(std::make_tuple(dev, static_cast<const void*>(nullptr), 1), [&] {
+    int n = 0;
+    MMFUSE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  });
+  // schedule order: the costlier tiles (larger k) first, then the problem with more tiles
+  Params prm{};
+  CUtensorMap maps[2][2];
+  int order[2] = {0, 1};
+  auto tiles = [](const Sm90Expert& x) {
+    return x.m == 0 || x.n == 0 ? int64_t(0) : ((x.m + kBM - 1) / kBM) * ((x.n + kBN - 1) / kBN);
+  };
+  if (std::make_pair(ex[1].k, tiles(ex[1])) > std::make_pair(ex[0].k, tiles(ex[0]))) std::swap(order[0], order[1]);
+  for (int i = 0; i < 2; ++i) {
+    const Sm90Expert& x = ex[order[i]];
+    Problem& p = prm.p[i];
+    p.m = int(x.m);
+    p.n = int(x.n);
+    p.k = int(x.k);
+    p.tiles_m = int((x.m + kBM - 1) / kBM);
+    p.tiles = int(tiles(x));
+    p.out = x.out->data;
+    p.out_kind = x.out->dtype != DType::kFloat32 ? kOutInput : accumulate ? kOutFloatAccumulate : kOutFloat;
+    if (p.tiles == 0) {  // no tiles: its maps are never read, but must be valid parameters
+      std::memset(&maps[i], 0, sizeof(maps[i]));
+      continue;
+    }
+    maps[i][0] = operand_map(*x.a, TA ? 64 : kBM);
+    maps[i][1] = operand_map(*x.w, TB ? kBN : 64);
+  }
+  prm.total_tiles = prm.p[0].tiles + prm.p[1].tiles;
+  if (prm.total_tiles == 0) return;
+  const int grid = std::min(prm.total_tiles, sms);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps[0][0], maps[0][1], maps[1][0], maps[1][1], prm);
+  MMFUSE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+bool sm90_dual_gemm_supported(int device) {
+  return cuda::cached_fact(std::make_tuple(device, static_cast<const void*>(nullptr), 2), [&] {
+    int major = 0, minor = 0;
+    MMFUSE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    MMFUSE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    if (major != 9 || minor != 0) return 0;
+    cudaFuncAttributes attr{};  // the build must hold sm_90a code (else the kernel body is empty)
+    MMFUSE_CUDA_CHECK(cudaFuncGetAttributes(&attr, dual_gemm_sm90_kernel<__nv_bfloat16, false, true>));
+    return attr.binaryVersion == 90 ? 1 : 0;
+  }) != 0;
+}
+
+void sm90_dual_gemm(const Sm90Expert (&ex)[2], const DualGemmOptions& o, cudaStream_t stream) {
+  const DType in = ex[0].a->dtype;
+  const int layout = (o.trans_a ? 2 : 0) + (o.trans_b ? 1 : 0);
+  auto go = [&](auto tag) {
+    using T = decltype(tag);
+    switch (layout) {
+      case 0: return launch<T, false, false>(ex, o.accumulate, stream);
+      case 1: return launch<T, false, true>(ex, o.accumulate, stream);
+      case 2: return launch<T, true, false>(ex, o.accumulate, stream);
+      default: return launch<T, true, true>(ex, o.accumulate, stream);
+    }
+  };
+  if (in == DType::kBFloat16)
+    go(__nv_bfloat16{});
+  else
+    go(__half{});
+}
+
+}  // namespace detail
+}  // namespace mmfuse
