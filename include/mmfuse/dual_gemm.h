@@ -10,9 +10,14 @@
 // for fp64) and are rounded once. m, n or k of 0 are valid (k = 0: out = 0, or unchanged with
 // accumulate).
 //
-// Backends: CPU (a reference-quality loop, for tests and small sizes); CUDA: cuBLASLt, one matmul a
-// expert on the caller's stream (the bigger first), descriptors and algorithms cached per problem,
-// the caller's workspace (a persistent sm_90a kernel over both problems is issue 5's next step).
+// Backends: CPU (a reference-quality loop, for tests and small sizes); CUDA, two paths: cuBLASLt,
+// one matmul an expert on the caller's stream (the bigger first), descriptors and algorithms cached
+// per problem, the caller's workspace; and one persistent sm_90a kernel over the tiles of both
+// problems (TMA, wgmma; bf16 / fp16 with 16-byte-aligned operands and row strides). A shape
+// heuristic picks the path; the environment variable MMFUSE_DUAL_GEMM_PATH = cublaslt | persistent
+// forces one (for tests and measurements; persistent falls back to cuBLASLt where the kernel cannot
+// take the operands). Today the heuristic picks cuBLASLt everywhere: the persistent kernel is
+// correct but slower on every measured shape (docs/benchmarks.md).
 #pragma once
 
 #include "mmfuse/common.h"

@@ -1,22 +1,27 @@
 // CUDA backend of the dual-expert GEMM, second path: one persistent sm_90a kernel over the output
-// tiles of both problems (issue 5). Each CTA (one an SM) walks a static share of the tile list, in
-// which the problem with the more expensive tiles (larger k; then more tiles) comes first, so that
-// the other problem's tiles fill the first one's last partial wave instead of running after it.
+// tiles of both problems (issue 5). The work unit is a pair of vertically adjacent 128 x 256 tiles,
+// computed by a cluster of two CTAs (one an SM) that share the pair's B tile: each CTA copies half
+// of it into both CTAs' shared memory (TMA multicast). Each cluster walks a static share of the unit
+// list, in which the problem with the costlier units (larger k; then more units) comes first, so
+// that the other problem's units fill the first one's last partial wave instead of running after it.
 //
 // A CTA is three warpgroups: warpgroup 0 is the producer (one thread issues the TMA bulk tensor
 // copies of A and B into a ring of kStages shared-memory stages, each completing on its stage's
 // "full" mbarrier), warpgroups 1 and 2 are the consumers (each computes 64 rows of the 128 x 256
-// tile with m64n256k16 wgmma from shared memory, releases a stage on its "empty" mbarrier once its
-// wgmma have read it, and stores its fp32 accumulators, rounded once, straight to the output).
-// Registers move from the producer to the consumers with setmaxnreg.
+// tile with m64n256k16 wgmma from shared memory, releases a stage on the "empty" mbarriers of both
+// CTAs once its wgmma have read it, and stores its fp32 accumulators, rounded once, straight to the
+// output). Registers move from the producer to the consumers with setmaxnreg.
 //
-// Layouts: K-major operands (a [m, k], w [n, k]) arrive as one 64-wide (128-byte) box of rows;
+// Layouts: K-major operands (a [m, k], w [n, k]) arrive as 64-wide (128-byte) boxes of rows;
 // M/N-major ones (a [k, m] with trans_a, w [k, n] without trans_b) as 64 x 64 boxes side by side,
 // read by wgmma with its transpose flag. All four use the 128-byte swizzle. TMA zero-fills what lies
 // outside the operands, so ragged m, n and k need no masking in the main loop; the epilogue masks.
 //
 // The kernel needs 16-byte-aligned operands with row strides a multiple of 16 bytes (TMA) and an
 // sm_90a cubin; dual_gemm.cu asks sm90_dual_gemm_supported() and otherwise uses the cuBLASLt path.
+// Measured on the H200 (docs/benchmarks.md, 2026-12-04 21:09-21:13) it reaches 0.6-0.9x of the cuBLASLt
+// path, so the heuristic does not pick it yet: its main loop runs at about 70 % of the tensor cores'
+// rate where cuBLAS's reaches about 80 %, and it has no split of k for problems with few tiles.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime)
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -37,6 +42,7 @@ namespace detail {
 namespace {
 
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kThreads = 384;
+constexpr int kCluster = 2;  // CTAs a cluster: the two tiles of a unit, sharing B
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
 constexpr int kBox = 64 * 64 * 2;  // one 64 x 64 box of an M/N-major operand
 constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* 1024-byte alignment of the swizzled tiles */ +
@@ -44,15 +50,17 @@ constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* 1024-byte alignment o
 
 enum OutKind : int { kOutInput = 0, kOutFloat = 1, kOutFloatAccumulate = 2 };
 
+// The work unit is a pair of vertically adjacent tiles (rows 256 u .. 256 u + 255, 256 columns),
+// one for each CTA of a cluster of two.
 struct Problem {
-  int m, n, k, tiles_m, tiles;  // tiles = tiles_m * tiles_n
+  int m, n, k, pairs_m, units;  // units = pairs_m * tiles along n
   int out_kind;
   void* out;
 };
 
 struct Params {
-  Problem p[2];  // in schedule order: p[0]'s tiles first
-  int total_tiles;
+  Problem p[2];  // in schedule order: p[0]'s units first
+  int total_units;
 };
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -70,8 +78,20 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+// Arrives on the barrier at bar's offset in the shared memory of cluster CTA `rank` (the default
+// .release.cta semantics: a .cluster-scope release would fence all of the thread's global stores).
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
@@ -88,6 +108,14 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
           smem_u32(dst)),
       "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+// The same box into the same offset of both CTAs of the cluster, completing on each one's `bar`.
+__device__ __forceinline__ void tma_load_both(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
+      "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(uint16_t(3))
       : "memory");
 }
 
@@ -152,12 +180,46 @@ __device__ __forceinline__ void wgmma_n256(float (&d)[128], uint64_t da, uint64_
 
 // Stores (or adds) a thread's accumulators: fragment element 4j + 2h + c is row 16 w + l / 4 + 8 h,
 // column 8 j + 2 (l % 4) + c of the warpgroup's 64 x 256 block (warp w, lane l).
+// A block wholly inside an output with even n: no bounds checks, a pair a store.
+template <class O, bool kAdd>
+__device__ __forceinline__ void store_full(const float (&d)[128], O* out, int n, int r0, int c0) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    O* row = out + size_t(r0 + 8 * h) * size_t(n) + c0;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+      if constexpr (std::is_same_v<O, float>) {
+        float2 v = make_float2(v0, v1);
+        if constexpr (kAdd) {
+          const float2 old = *reinterpret_cast<const float2*>(row + 8 * j);
+          v = make_float2(__fadd_rn(old.x, v0), __fadd_rn(old.y, v1));
+        }
+        *reinterpret_cast<float2*>(row + 8 * j) = v;
+      } else if constexpr (std::is_same_v<O, __nv_bfloat16>) {
+        *reinterpret_cast<__nv_bfloat162*>(row + 8 * j) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        *reinterpret_cast<__half2*>(row + 8 * j) = __floats2half2_rn(v0, v1);
+      }
+    }
+  }
+}
+
 template <class T>
 __device__ __forceinline__ void store_tile(const float (&d)[128], const Problem& p, int row0, int col0) {
   const int out_kind = p.out_kind;
   const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
   const int r0 = row0 + 16 * warp + lane / 4, c0 = col0 + 2 * (lane % 4);
   const bool pairs = (p.n % 2) == 0;  // even n: a (row, even column) pair is aligned and in bounds
+  if (pairs && row0 + 64 <= p.m && col0 + kBN <= p.n) {
+    if (out_kind == kOutInput)
+      store_full<T, false>(d, static_cast<T*>(p.out), p.n, r0, c0);
+    else if (out_kind == kOutFloat)
+      store_full<float, false>(d, static_cast<float*>(p.out), p.n, r0, c0);
+    else
+      store_full<float, true>(d, static_cast<float*>(p.out), p.n, r0, c0);
+    return;
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = r0 + 8 * h;
@@ -203,11 +265,12 @@ __device__ __forceinline__ void store_tile(const float (&d)[128], const Problem&
 struct TileCoord {
   int e, m0, n0;
 };
-__device__ __forceinline__ TileCoord tile_coord(const Params& prm, int t) {
-  const int e = t >= prm.p[0].tiles;
-  const int local = e ? t - prm.p[0].tiles : t;
+// This CTA's tile of unit u (rank 1 of a pair past the last row reads zeros and stores nothing).
+__device__ __forceinline__ TileCoord tile_coord(const Params& prm, int u, uint32_t rank) {
+  const int e = u >= prm.p[0].units;
+  const int local = e ? u - prm.p[0].units : u;
   const Problem& p = prm.p[e];
-  return {e, (local % p.tiles_m) * kBM, (local / p.tiles_m) * kBN};
+  return {e, (kCluster * (local % p.pairs_m) + int(rank)) * kBM, (local / p.pairs_m) * kBN};
 }
 #endif  // MMFUSE_SM90A
 
@@ -224,22 +287,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
   uint64_t* empty = full + kStages;
   const int wg = threadIdx.x / 128;
+  const uint32_t rank = cluster_rank();
+  const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);      // the producer's expect_tx arrival (plus the TMA bytes)
-      mbar_init(&empty[s], 8);     // one arrival from each consumer warp
+      mbar_init(&full[s], 1);    // the producer's expect_tx arrival (plus the TMA bytes of both CTAs)
+      mbar_init(&empty[s], 8 * kCluster);  // one arrival from each consumer warp of both CTAs
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  cluster_sync();  // both CTAs' barriers exist before either CTA copies or arrives into the other
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
       int stage = 0;
       uint32_t phase = 0;
-      for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
-        const TileCoord tc = tile_coord(prm, t);
+      for (int u = cluster; u < prm.total_units; u += clusters) {
+        const TileCoord tc = tile_coord(prm, u, rank);
         const CUtensorMap* ma = tc.e ? &ma1 : &ma0;
         const CUtensorMap* mw = tc.e ? &mw1 : &mw0;
         const int kb_count = (prm.p[tc.e].k + kBK - 1) / kBK;
@@ -255,11 +320,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load(sa, ma, &full[stage], tc.m0, k0);
             tma_load(sa + kBox, ma, &full[stage], tc.m0 + 64, k0);
           }
+          // B is the same for both tiles of the pair: each CTA copies half of it into both
           if constexpr (TB) {
-            tma_load(sb, mw, &full[stage], k0, tc.n0);
+            tma_load_both(sb + rank * (kBBytes / 2), mw, &full[stage], k0, tc.n0 + 128 * int(rank));
           } else {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) tma_load(sb + i * kBox, mw, &full[stage], tc.n0 + 64 * i, k0);
+            for (int i = 2 * int(rank); i < 2 * int(rank) + 2; ++i)
+              tma_load_both(sb + i * kBox, mw, &full[stage], tc.n0 + 64 * i, k0);
           }
           if (++stage == kStages) {
             stage = 0;
@@ -276,8 +343,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 128; ++i) d[i] = 0.0f;
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
-      const TileCoord tc = tile_coord(prm, t);
+    // a stage is free again when the consumer warps of both CTAs are done with it (both copy into it)
+    auto release = [&](int s) {
+      for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty[s], r);
+    };
+    for (int u = cluster; u < prm.total_units; u += clusters) {
+      const TileCoord tc = tile_coord(prm, u, rank);
       const int kb_count = (prm.p[tc.e].k + kBK - 1) / kBK;
       int prev = -1;
       for (int kb = 0; kb < kb_count; ++kb) {
@@ -297,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_commit();
         wgmma_wait<1>();  // the previous stage's wgmma are done: release it
         fence_acc(d);
-        if (prev >= 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[prev]);
+        if (prev >= 0 && threadIdx.x % 32 == 0) release(prev);
         prev = stage;
         if (++stage == kStages) {
           stage = 0;
@@ -306,10 +377,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma_wait<0>();
       fence_acc(d);
-      if (prev >= 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[prev]);
+      if (prev >= 0 && threadIdx.x % 32 == 0) release(prev);
       store_tile<T>(d, prm.p[tc.e], tc.m0 + 64 * c, tc.n0);
     }
   }
+  cluster_sync();  // neither CTA exits while the other may still arrive on its barriers
 #endif  // MMFUSE_SM90A
 }
 
@@ -351,41 +423,55 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, cudaStream_t stream) {
     MMFUSE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     return 0;
   });
-  const int sms = cuda::cached_fact(std::make_tuple(dev, static_cast<const void*>(nullptr), 1), [&] {
-    int n = 0;
-    MMFUSE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const int max_clusters = cuda::cached_fact(std::make_tuple(dev, reinterpret_cast<const void*>(kernel), 1), [&] {
+    int sms = 0, n = 0;
+    MMFUSE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    cudaLaunchConfig_t q = cfg;
+    q.gridDim = dim3(sms / kCluster * kCluster);
+    MMFUSE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &q));
+    MMFUSE_CHECK(n >= 1, "dual_gemm: no cluster of two CTAs of the persistent kernel fits on device ", dev);
     return n;
   });
   // schedule order: the costlier tiles (larger k) first, then the problem with more tiles
   Params prm{};
   CUtensorMap maps[2][2];
   int order[2] = {0, 1};
-  auto tiles = [](const Sm90Expert& x) {
-    return x.m == 0 || x.n == 0 ? int64_t(0) : ((x.m + kBM - 1) / kBM) * ((x.n + kBN - 1) / kBN);
+  auto units = [](const Sm90Expert& x) {
+    return x.m == 0 || x.n == 0 ? int64_t(0) : ((x.m + kCluster * kBM - 1) / (kCluster * kBM)) * ((x.n + kBN - 1) / kBN);
   };
-  if (std::make_pair(ex[1].k, tiles(ex[1])) > std::make_pair(ex[0].k, tiles(ex[0]))) std::swap(order[0], order[1]);
+  if (std::make_pair(ex[1].k, units(ex[1])) > std::make_pair(ex[0].k, units(ex[0]))) std::swap(order[0], order[1]);
   for (int i = 0; i < 2; ++i) {
     const Sm90Expert& x = ex[order[i]];
     Problem& p = prm.p[i];
     p.m = int(x.m);
     p.n = int(x.n);
     p.k = int(x.k);
-    p.tiles_m = int((x.m + kBM - 1) / kBM);
-    p.tiles = int(tiles(x));
+    p.pairs_m = int((x.m + kCluster * kBM - 1) / (kCluster * kBM));
+    p.units = int(units(x));
     p.out = x.out->data;
     p.out_kind = x.out->dtype != DType::kFloat32 ? kOutInput : accumulate ? kOutFloatAccumulate : kOutFloat;
-    if (p.tiles == 0) {  // no tiles: its maps are never read, but must be valid parameters
+    if (p.units == 0) {  // no tiles: its maps are never read, but must be valid parameters
       std::memset(&maps[i], 0, sizeof(maps[i]));
       continue;
     }
     maps[i][0] = operand_map(*x.a, TA ? 64 : kBM);
-    maps[i][1] = operand_map(*x.w, TB ? kBN : 64);
+    maps[i][1] = operand_map(*x.w, TB ? kBN / kCluster : 64);
   }
-  prm.total_tiles = prm.p[0].tiles + prm.p[1].tiles;
-  if (prm.total_tiles == 0) return;
-  const int grid = std::min(prm.total_tiles, sms);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps[0][0], maps[0][1], maps[1][0], maps[1][1], prm);
-  MMFUSE_CUDA_CHECK(cudaGetLastError());
+  prm.total_units = prm.p[0].units + prm.p[1].units;
+  if (prm.total_units == 0) return;
+  cfg.gridDim = dim3(kCluster * std::min(prm.total_units, max_clusters));
+  MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, maps[0][0], maps[0][1], maps[1][0], maps[1][1], prm));
 }
 
 }  // namespace

@@ -193,7 +193,7 @@ TEST(DualGemmCuda, PersistentKernelAgainstFloat64) {
         check_dual<f16, f16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
         check_dual<f16, float>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
       }
-  // more tiles than SMs (153 + 1): CTAs run several tiles, the second problem's in the tail
+  // more work than clusters (81 + 1 pairs of tiles): CTAs run several units, the second problem's in the tail
   for (bool ta : {false, true})
     for (bool tb : {false, true}) check_dual<bf16, bf16>(rng, {2176, 2304, 16}, {8, 8, 32}, ta, tb, false, Run::kPersistent);
   // ragged m and n (a [m, k], w [n, k]: only k is a stored row length) and ragged k (a [k, m], w [k, n])
