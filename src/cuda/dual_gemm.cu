@@ -127,7 +127,7 @@ bool sm90_can_take(const Sm90Expert (&ex)[2], int device) {
 
 // The path of a call. MMFUSE_DUAL_GEMM_PATH=cublaslt or =persistent forces one (persistent only
 // where the kernel can take the problems), for tests and measurements; unset or auto: the shape
-// heuristic. The heuristic's table (docs/benchmarks.md, H200 2026-12-04 21:09: 9 shape pairs x fwd /
+// heuristic. The heuristic's table (docs/benchmarks.md, H200 2026-12-04 21:10: 9 shape pairs x fwd /
 // dX / dW, m 256-8192, k 1024-11008) has the persistent kernel at 0.32-0.91x of the cuBLASLt path
 // on every shape, so auto is cuBLASLt everywhere until the kernel wins somewhere.
 enum class Path { kLibrary, kPersistent };

@@ -19,9 +19,10 @@
 //
 // The kernel needs 16-byte-aligned operands with row strides a multiple of 16 bytes (TMA) and an
 // sm_90a cubin; dual_gemm.cu asks sm90_dual_gemm_supported() and otherwise uses the cuBLASLt path.
-// Measured on the H200 (docs/benchmarks.md, 2026-12-04 21:09-21:13) it reaches 0.6-0.9x of the cuBLASLt
-// path, so the heuristic does not pick it yet: its main loop runs at about 70 % of the tensor cores'
-// rate where cuBLAS's reaches about 80 %, and it has no split of k for problems with few tiles.
+// Measured on the H200 (docs/benchmarks.md, 2026-12-04 21:10-21:21) it reaches 0.3-0.9x of the
+// cuBLASLt path, so the heuristic does not pick it yet: its straight-from-register epilogue stores
+// cost 18-37 % of its time (without them it beats cuBLASLt), and it has no split of k for problems
+// with few tiles.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime)
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
