@@ -136,9 +136,8 @@ Path choose_path(const Sm90Expert (&ex)[2], int device) {
   const std::string forced = env ? env : "";
   MMFUSE_CHECK(forced.empty() || forced == "auto" || forced == "cublaslt" || forced == "persistent",
                "dual_gemm: MMFUSE_DUAL_GEMM_PATH: expected auto, cublaslt or persistent, got '", forced, "'");
-  if (forced == "cublaslt" || !sm90_can_take(ex, device)) return Path::kLibrary;
-  if (forced == "persistent") return Path::kPersistent;
-  return Path::kLibrary;
+  if (forced == "persistent" && sm90_can_take(ex, device)) return Path::kPersistent;
+  return Path::kLibrary;  // cublaslt, auto (the table above), or operands the kernel cannot take
 }
 
 }  // namespace
