@@ -32,7 +32,6 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
-#include <mutex>
 
 #include "common/cuda_check.h"
 #include "cuda/device_util.cuh"
@@ -45,7 +44,6 @@ namespace {
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kThreads = 384;
 constexpr int kCluster = 2;  // CTAs a cluster: the two tiles of a unit, sharing B
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
-constexpr int kBox = 64 * 64 * 2;  // one 64 x 64 box of an M/N-major operand
 constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* 1024-byte alignment of the swizzled tiles */ +
                            2 * kStages * 8 /* barriers */;
 
@@ -68,11 +66,12 @@ struct Params {
 #define MMFUSE_SM90A 1
 #endif
 
+#ifdef MMFUSE_SM90A
+constexpr int kBox = 64 * 64 * 2;  // one 64 x 64 box of an M/N-major operand
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-
-#ifdef MMFUSE_SM90A
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
 }
@@ -179,8 +178,6 @@ __device__ __forceinline__ void wgmma_n256(float (&d)[128], uint64_t da, uint64_
 }
 #undef MMFUSE_WGMMA_N256
 
-// Stores (or adds) a thread's accumulators: fragment element 4j + 2h + c is row 16 w + l / 4 + 8 h,
-// column 8 j + 2 (l % 4) + c of the warpgroup's 64 x 256 block (warp w, lane l).
 // A block wholly inside an output with even n: no bounds checks, a pair a store.
 template <class O, bool kAdd>
 __device__ __forceinline__ void store_full(const float (&d)[128], O* out, int n, int r0, int c0) {
@@ -206,6 +203,8 @@ __device__ __forceinline__ void store_full(const float (&d)[128], O* out, int n,
   }
 }
 
+// Stores (or adds) a thread's accumulators: fragment element 4j + 2h + c is row 16 w + l / 4 + 8 h,
+// column 8 j + 2 (l % 4) + c of the warpgroup's 64 x 256 block (warp w, lane l).
 template <class T>
 __device__ __forceinline__ void store_tile(const float (&d)[128], const Problem& p, int row0, int col0) {
   const int out_kind = p.out_kind;
