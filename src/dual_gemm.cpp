@@ -54,9 +54,8 @@ Dims check_expert(const char* op, int e, const TensorView& a, const TensorView& 
 
 int64_t dual_gemm_workspace_bytes() { return int64_t(32) << 20; }  // cuBLAS's recommendation for Hopper
 
-void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, const TensorView& a1,
-               const TensorView& w1, TensorView& out1, const DualGemmOptions& o, TensorView& ws,
-               cudaStream_t stream) {
+void dual_gemm_check(const TensorView& a0, const TensorView& w0, const TensorView& out0, const TensorView& a1,
+                     const TensorView& w1, const TensorView& out1, const DualGemmOptions& o) {
   const char* op = "dual_gemm";
   MMFUSE_CHECK(a0.defined(), op, ": a0 is missing");
   const DType in = a0.dtype;
@@ -65,12 +64,21 @@ void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, con
   const Device dev = a0.device;
   check_expert(op, 0, a0, w0, out0, o, in, dev);
   check_expert(op, 1, a1, w1, out1, o, in, dev);
+  MMFUSE_CHECK(dev.type == DeviceType::kCPU || in != DType::kFloat64, op,
+               ": a0: float64 is CPU only (for gradcheck)");
+}
+
+void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, const TensorView& a1,
+               const TensorView& w1, TensorView& out1, const DualGemmOptions& o, TensorView& ws,
+               cudaStream_t stream) {
+  const char* op = "dual_gemm";
+  dual_gemm_check(a0, w0, out0, a1, w1, out1, o);
+  const Device dev = a0.device;
   if (dev.type == DeviceType::kCPU) {
     detail::gemm_cpu(a0, w0, out0, o);
     detail::gemm_cpu(a1, w1, out1, o);
     return;
   }
-  MMFUSE_CHECK(in != DType::kFloat64, op, ": a0: float64 is CPU only (for gradcheck)");
   check_workspace(op, ws, dev, dual_gemm_workspace_bytes());
   MMFUSE_CUDA_BACKEND(op, stream, detail::dual_gemm_cuda(a0, w0, out0, a1, w1, out1, o, ws, stream));
 }

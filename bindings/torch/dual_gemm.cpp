@@ -1,5 +1,6 @@
-// Torch implementation of the dual-expert GEMM: the functional op and the in-place one (CPU and
-// CUDA; the CUDA workspace comes from the caching allocator), and autograd through a0, w0, a1, w1.
+// Torch implementation of the dual-expert GEMM: the functional op and the in-place one (CUDA through
+// the core, its workspace from the caching allocator; CPU checked by the core and computed with
+// ATen's matmul), and autograd through a0, w0, a1, w1.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -19,17 +20,50 @@ std::vector<int64_t> out_shape(const Tensor& a, const Tensor& w, bool ta, bool t
   return {ta ? a.size(1) : a.size(0), tb ? w.size(0) : w.size(1)};
 }
 
+DualGemmOptions options(bool trans_a, bool trans_b, bool accumulate) {
+  DualGemmOptions opt;
+  opt.trans_a = trans_a;
+  opt.trans_b = trans_b;
+  opt.accumulate = accumulate;
+  return opt;
+}
+
+// One CPU product, out (+)= op(a) @ op(w), shapes checked: ATen's matmul (oneDNN / MKL), which
+// accumulates bf16 and fp16 products in fp32 and rounds once, as the core's loop does, at the speed of
+// torch.matmul. An fp32 output of bf16 / fp16 inputs multiplies fp32 copies (the products are exact
+// in fp32 either way).
+void gemm_aten(const Tensor& a, const Tensor& w, const Tensor& out, bool ta, bool tb, bool accumulate) {
+  Tensor A = ta ? a.t() : a, W = tb ? w.t() : w;
+  if (out.scalar_type() != a.scalar_type()) {
+    A = A.to(out.scalar_type());
+    W = W.to(out.scalar_type());
+  }
+  Tensor o = out;  // mm_out's out is a non-const reference; this is the same tensor
+  if (accumulate)
+    o.addmm_(A, W);
+  else
+    at::mm_out(o, A, W);
+}
+
+void dual_gemm_out_cpu(const Tensor& a0, const Tensor& w0, const Tensor& a1, const Tensor& w1, const Tensor& out0,
+                       const Tensor& out1, bool trans_a, bool trans_b, bool accumulate) {
+  guarded("dual_gemm", [&] {
+    dual_gemm_check(view(a0, "a0"), view(w0, "w0"), view(out0, "out0"), view(a1, "a1"), view(w1, "w1"),
+                    view(out1, "out1"), options(trans_a, trans_b, accumulate));
+  });
+  gemm_aten(a0, w0, out0, trans_a, trans_b, accumulate);
+  gemm_aten(a1, w1, out1, trans_a, trans_b, accumulate);
+}
+
 void dual_gemm_out_impl(const Tensor& a0, const Tensor& w0, const Tensor& a1, const Tensor& w1, const Tensor& out0,
                         const Tensor& out1, bool trans_a, bool trans_b, bool accumulate) {
-  Tensor ws = at::empty({a0.is_cuda() ? dual_gemm_workspace_bytes() : 0}, a0.options().dtype(at::kByte));
+  if (!a0.is_cuda()) return dual_gemm_out_cpu(a0, w0, a1, w1, out0, out1, trans_a, trans_b, accumulate);
+  Tensor ws = at::empty({dual_gemm_workspace_bytes()}, a0.options().dtype(at::kByte));
   guarded("dual_gemm", [&] {
     TensorView o0 = view(out0, "out0"), o1 = view(out1, "out1"), wv = view(ws, "workspace");
-    DualGemmOptions opt;
-    opt.trans_a = trans_a;
-    opt.trans_b = trans_b;
-    opt.accumulate = accumulate;
     c10::OptionalDeviceGuard g(a0.device());
-    dual_gemm(view(a0, "a0"), view(w0, "w0"), o0, view(a1, "a1"), view(w1, "w1"), o1, opt, wv, current_stream(a0));
+    dual_gemm(view(a0, "a0"), view(w0, "w0"), o0, view(a1, "a1"), view(w1, "w1"), o1,
+              options(trans_a, trans_b, accumulate), wv, current_stream(a0));
   });
 }
 

@@ -10,7 +10,9 @@
 // for fp64) and are rounded once. m, n or k of 0 are valid (k = 0: out = 0, or unchanged with
 // accumulate).
 //
-// Backends: CPU (a reference-quality loop, for tests and small sizes); CUDA, two paths: cuBLASLt,
+// Backends: CPU (a reference-quality loop, rows in parallel; the torch binding checks with
+// dual_gemm_check and computes the CPU products with ATen's matmul, fp32-accumulating like this
+// loop and many times faster); CUDA, two paths: cuBLASLt,
 // one matmul an expert on the caller's stream (the bigger first), descriptors and algorithms cached
 // per problem, the caller's workspace; and one persistent sm_90a kernel over the tiles of both
 // problems (TMA, wgmma; bf16 / fp16 with 16-byte-aligned operands and row strides). A shape
@@ -32,6 +34,12 @@ struct DualGemmOptions {
 
 // Bytes of the CUDA workspace (any dtype, contiguous, on the inputs' device; ignored on the CPU).
 MMFUSE_API int64_t dual_gemm_workspace_bytes();
+
+// Every check dual_gemm makes on its arguments (throws mmfuse::Error naming the argument), none of the
+// work: for a caller that computes the CPU products with its own GEMM (the torch binding uses ATen's).
+MMFUSE_API void dual_gemm_check(const TensorView& a0, const TensorView& w0, const TensorView& out0,
+                                const TensorView& a1, const TensorView& w1, const TensorView& out1,
+                                const DualGemmOptions& options);
 
 MMFUSE_API void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, const TensorView& a1,
                           const TensorView& w1, TensorView& out1, const DualGemmOptions& options,

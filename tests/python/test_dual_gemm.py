@@ -1,7 +1,7 @@
-"""Dual-expert GEMM on the CPU and CUDA (cuBLASLt) against float64: all four layouts, m in {0, 1, 7,
-128}, odd and aligned n and k, bf16 / fp16 / fp32, fp32 outputs, accumulation; gradcheck in float64,
-gradients of bf16 inputs (CPU and CUDA), opcheck, torch.compile, CUDA graphs, bad input, the seed
-function."""
+"""Dual-expert GEMM on the CPU (ATen's matmul) and CUDA (cuBLASLt) against float64: all four layouts,
+m in {0, 1, 7, 128}, odd and aligned n and k (up to a model's 2752), bf16 / fp16 / fp32, fp32
+outputs, accumulation; gradcheck in float64, gradients of bf16 inputs (CPU and CUDA), opcheck,
+torch.compile, CUDA graphs, bad input, the seed function."""
 
 import pytest
 import torch
@@ -37,7 +37,8 @@ def _bound(a, w, ta, tb, out_dtype):
 @pytest.mark.parametrize("tb", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shapes", [((7, 33, 19), (1, 8, 64)), ((128, 64, 40), (0, 24, 17)),
-                                    ((0, 5, 3), (128, 17, 64)), ((16, 48, 0), (3, 9, 11))])
+                                    ((0, 5, 3), (128, 17, 64)), ((16, 48, 0), (3, 9, 11)),
+                                    ((33, 40, 2752), (5, 24, 1024))])
 @pytest.mark.parametrize("device", DEVICES)
 def test_against_float64(ta, tb, dtype, shapes, device):
     g = torch.Generator().manual_seed(hash((ta, tb, str(dtype), shapes)) % 2 ** 31)
