@@ -15,15 +15,17 @@
 // its K destination rows; unpermute reads the K rows of token t and writes out[t]; the backward reads
 // dout[t] once and writes K rows of dy. Rows move as 16-byte vectors when their size and alignment
 // allow (8, 4, 2, 1 otherwise); sums are fp32 (fp64 for fp64) in k order with explicit rounding.
-// Unpermute at K <= 2 runs a warp a token (rows in flight in registers); with 3 to 8 rows a token
-// it takes a token-tile path on sm_90+ (TMA bulk copies of whole rows into staged shared memory;
-// see below), as does the backward for tokens of up to 48 KB.
+// Unpermute and its backward at K <= 2 run a warp a token (rows in flight in registers); with 3 to
+// 8 rows a token unpermute takes a token-tile path on sm_90+ (TMA bulk copies of whole rows into
+// staged shared memory; see below), as does the backward for tokens of up to 48 KB.
 // The backward also marks each row it writes in a bitmap (caller workspace, cleared first); a last
 // small launch zeroes the rows no entry maps to.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cooperative_groups.h>
+#include <cstdlib>
+#include <string>
 #include <cub/block/block_scan.cuh>
 
 #include "common/cuda_check.h"
@@ -698,6 +700,96 @@ __global__ void __launch_bounds__(kRowThreads)
   if (bad.t >= 0) bad_row("moe_unpermute", map, bad.k, bad.t, N);
 }
 
+// Backward of unpermute at K <= 2, a warp a token: dy[row(t,k)] = w * dout[t] and dprobs[t,k] =
+// dot(dout[t], y[row(t,k)]), each lane CH vectors of dout and of each row at a time with all their
+// loads issued before any store, the next token's map entries loaded with this token's rows. Lane l
+// sums its columns l, l + 32, ... in order and the warp adds the lanes' sums by a butterfly: the
+// operations of the token-tile kernel, bitwise equal. Rows written are marked in `covered`.
+template <class S, int VEC, int KG, int CH>
+__global__ void __launch_bounds__(kRowThreads) moe_unpermute_bwd_warp_kernel(
+    const S* __restrict__ dout, int64_t gs, const S* __restrict__ y, int64_t ys, S* __restrict__ dy, int64_t dys,
+    int64_t N, MapRef map, const float* __restrict__ probs, int64_t ps0, int64_t ps1, float* __restrict__ dprobs,
+    int64_t dps0, int64_t dps1, uint32_t* __restrict__ covered, int64_t T, int64_t K, uint32_t V) {
+  using C = typename dcompute<S>::type;
+  using W = Vec<S, VEC>;
+  const int lane = threadIdx.x & 31;
+  const int64_t step = int64_t(gridDim.x) * kRowWarps;
+  BadEntry bad;
+  int32_t dup = -1;  // a row this lane found marked already
+  int64_t t = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  int32_t r[KG];
+#pragma unroll
+  for (int kk = 0; kk < KG; ++kk) r[kk] = -1;
+  if (t < T) load_rows<KG>(map, 0, K, t, N, r, bad);
+  for (; t < T; t += step) {
+    int32_t rn[KG];
+#pragma unroll
+    for (int kk = 0; kk < KG; ++kk) rn[kk] = -1;
+    if (t + step < T) load_rows<KG>(map, 0, K, t + step, N, rn, bad);
+    C w[KG], dot[KG];
+    int32_t rl = -1;  // lane kk: entry kk, marked as written
+#pragma unroll
+    for (int kk = 0; kk < KG; ++kk) {
+      w[kk] = probs && r[kk] >= 0 ? C(probs[t * ps0 + kk * ps1]) : C(1);
+      dot[kk] = C(0);
+      if (lane == kk) rl = r[kk];
+    }
+    uint32_t bit = 0, old = 0;
+    if (rl >= 0) {
+      bit = 1u << (rl & 31);
+      old = atomicOr(&covered[rl >> 5], bit);
+    }
+    const W* g = reinterpret_cast<const W*>(dout + t * gs);
+    for (uint32_t c0 = lane; c0 < V; c0 += 32 * CH) {
+      const int left = int(V - c0);  // vectors u * 32 < left of this lane's CH are in the row
+      W gv[CH], yv[KG][CH];
+#pragma unroll
+      for (int u = 0; u < CH; ++u)
+        if (u * 32 < left) gv[u] = load_ro(g + c0 + u * 32);
+      if (dprobs) {
+#pragma unroll
+        for (int kk = 0; kk < KG; ++kk)
+#pragma unroll
+          for (int u = 0; u < CH; ++u)
+            if (r[kk] >= 0 && u * 32 < left)
+              yv[kk][u] = load_ro(reinterpret_cast<const W*>(y + int64_t(r[kk]) * ys) + c0 + u * 32);
+      }
+#pragma unroll
+      for (int u = 0; u < CH; ++u) {
+        if (u * 32 >= left) continue;
+#pragma unroll
+        for (int kk = 0; kk < KG; ++kk) {
+          if (r[kk] < 0) continue;
+          W d;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) d.v[e] = cuda::dstore<S>(cuda::mul_rn(w[kk], C(cuda::dload(gv[u].v[e]))));
+          reinterpret_cast<W*>(dy + int64_t(r[kk]) * dys)[c0 + u * 32] = d;
+          if (dprobs) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+              dot[kk] = cuda::add_rn(dot[kk], cuda::mul_rn(C(cuda::dload(gv[u].v[e])), C(cuda::dload(yv[kk][u].v[e]))));
+          }
+        }
+      }
+    }
+    if (old & bit) dup = rl;
+    if (dprobs) {
+      C mine = C(0);
+#pragma unroll
+      for (int kk = 0; kk < KG; ++kk) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) dot[kk] = cuda::add_rn(dot[kk], __shfl_xor_sync(0xffffffffu, dot[kk], o));
+        if (lane == kk) mine = dot[kk];
+      }
+      if (lane < K) dprobs[t * dps0 + lane * dps1] = rl >= 0 ? float(mine) : 0.0f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < KG; ++kk) r[kk] = rn[kk];
+  }
+  if (bad.t >= 0) bad_row("moe_unpermute_backward", map, bad.k, bad.t, N);
+  if (dup >= 0) duplicate_row(dup);
+}
+
 // Blocks of a warp-a-token kernel: enough for every token, at most those resident at once.
 unsigned row_blocks(const void* kernel, int64_t T) {
   return unsigned(std::max<int64_t>(
@@ -1230,6 +1322,18 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                 });
 }
 
+// MMFUSE_MOE_BWD, the backward's path, for tests and measurements: auto (unset: a warp a token at
+// K <= 2, else the token-tile kernel where it applies, else the general kernel), tile (the token-tile
+// kernel where it applies) or general (the block kernel).
+enum class BwdPath { kAuto, kTile, kGeneral };
+BwdPath bwd_path() {
+  const char* env = std::getenv("MMFUSE_MOE_BWD");
+  const std::string v = env ? env : "";
+  MMFUSE_CHECK(v.empty() || v == "auto" || v == "tile" || v == "general",
+               "moe_unpermute_backward: MMFUSE_MOE_BWD: expected auto, tile or general, got '", v, "'");
+  return v == "tile" ? BwdPath::kTile : v == "general" ? BwdPath::kGeneral : BwdPath::kAuto;
+}
+
 void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, const TensorView& map,
                                  const TensorView& probs, TensorView& dy, TensorView& dprobs, TensorView& ws,
                                  cudaStream_t stream) {
@@ -1246,6 +1350,39 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
         const uint32_t V = uint32_t(H / VEC);
         const float* p = static_cast<const float*>(probs.data);
         float* dp = static_cast<float*>(dprobs.data);
+        auto zero_uncovered = [&] {  // the rows of dy no entry maps to
+          if (N == 0 || H == 0) return;
+          constexpr int B = VEC * int(sizeof(D));
+          const unsigned grid = unsigned(std::min<int64_t>((N + 255) / 256, int64_t(1) << 20));
+          moe_zero_rows_kernel<B><<<grid, 256, 0, stream>>>(covered, static_cast<char*>(dy.data),
+                                                            dy.stride[0] * es, N, V);
+          MMFUSE_CUDA_CHECK_LAUNCH("moe_zero_rows_kernel");
+        };
+        const BwdPath path = bwd_path();
+        if (K >= 1 && K <= 2 && path == BwdPath::kAuto) {
+          // A warp a token: 4 vectors of dout and of the row a lane at a time at K = 1, 2 of dout and of
+          // each row at K = 2. Measured on an H100 (2026-12-05 ~17:43 UTC, % of copy; warp kernel with
+          // 4 / 2 / 8 vectors a lane at K = 1 vs the token-tile kernel): two experts T16k H2048 83.8 /
+          // 83.0 / 77.9 vs 73.6, T64k H2048 93.1 / 94.5 / 86.3 vs 83.5, T16k H4096 89.6 / 87.1 / 84.7
+          // vs 81.0; at K = 2 (2 / 4 a lane vs tile): top-2 of 8 T16k H4096 91.5 / 79.6 vs 85.8, T32k
+          // H2048 92.1 / 79.2 vs 85.5, top-2 of 64 T32k H2048 90.5 / 78.4 vs 85.9 (4 a lane at K = 2:
+          // 154 registers; 8: spills).
+          auto go = [&](auto kgc, auto chc) {
+            constexpr int KG = decltype(kgc)::value, CH = decltype(chc)::value;
+            auto kernel = &moe_unpermute_bwd_warp_kernel<D, VEC, KG, CH>;
+            kernel<<<row_blocks(reinterpret_cast<const void*>(kernel), T), kRowThreads, 0, stream>>>(
+                static_cast<const D*>(dout.data), dout.stride[0], static_cast<const D*>(y.data), y.stride[0],
+                static_cast<D*>(dy.data), dy.stride[0], N, map_ref(map), p, p ? probs.stride[0] : 0,
+                p ? probs.stride[1] : 0, dp, dp ? dprobs.stride[0] : 0, dp ? dprobs.stride[1] : 0, covered, T, K, V);
+            MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_bwd_warp_kernel");
+          };
+          if (K == 1)
+            go(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});
+          else
+            go(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
+          zero_uncovered();
+          return;
+        }
         bool tiled = false;
         if constexpr (kTileType<D, VEC>) {
           TileArgs ta = tile_args(y, map, probs, dy);
@@ -1262,7 +1399,7 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
           // 90.4 vs 72.7 (06:01, 11:37), top-1 at H2048 (8 KB) 75.5 vs 59.5 with two producer warps
           // (13:59; 45.5 with one); but 72 KB (top-8 at H4096: three stages, three warps) 71.5 vs
           // 78.1 (06:01).
-          if (ta.stage_bytes <= 48 * 1024)
+          if (ta.stage_bytes <= 48 * 1024 && path != BwdPath::kGeneral)
             tiled = tile_launch(reinterpret_cast<const void*>(&moe_unpermute_bwd_tile_kernel<D>),
                                 "moe_unpermute_bwd_tile_kernel", kTileConsumers, ta, stream);
         }
@@ -1285,13 +1422,7 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
             launch(std::integral_constant<int, 2>{});
           MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_bwd_kernel");
         }
-        if (N > 0 && H > 0) {
-          constexpr int B = VEC * int(sizeof(D));
-          const unsigned grid = unsigned(std::min<int64_t>((N + 255) / 256, int64_t(1) << 20));
-          moe_zero_rows_kernel<B><<<grid, 256, 0, stream>>>(covered, static_cast<char*>(dy.data),
-                                                            dy.stride[0] * es, N, V);
-          MMFUSE_CUDA_CHECK_LAUNCH("moe_zero_rows_kernel");
-        }
+        zero_uncovered();
       });
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <string>
@@ -222,6 +223,27 @@ TEST(MoeCuda, PlanEqualsCpu) {
 
 namespace {
 
+// Sets an environment variable for the life of the object (the CUDA backends read their path knobs
+// at every call), then restores it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_, old_.c_str(), 1);
+    else unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
 template <class S>
 void rows_equal_cpu(std::mt19937_64& rng, int64_t T, int64_t K, int64_t E, int64_t H, int64_t num_out,
                     int64_t extra_rows, bool with_probs, cudaStream_t s) {
@@ -286,8 +308,15 @@ void rows_equal_cpu(std::mt19937_64& rng, int64_t T, int64_t K, int64_t E, int64
 
 }  // namespace
 
-TEST(MoeCuda, RowsEqualCpu) {
+class MoeCudaRows : public ::testing::TestWithParam<const char*> {};
+
+// Every path of the backward (MMFUSE_MOE_BWD): auto (a warp a token at K <= 2), the token-tile kernel,
+// the general block kernel.
+INSTANTIATE_TEST_SUITE_P(BackwardPaths, MoeCudaRows, ::testing::Values("auto", "tile", "general"));
+
+TEST_P(MoeCudaRows, RowsEqualCpu) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  ScopedEnv env("MMFUSE_MOE_BWD", GetParam());
   std::mt19937_64 rng(test_seed());
   Stream st;
   for (int64_t H : {1, 13, 64, 200, 2048})

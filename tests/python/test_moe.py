@@ -182,9 +182,12 @@ def test_cuda_bad_input_stops_with_a_message(call, message):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
-def test_cuda_equals_cpu_at_model_size(dtype):
+@pytest.mark.parametrize("K,E", [(1, 2), (2, 8)])
+@pytest.mark.parametrize("bwd", ["auto", "tile"])  # the backward's paths (MMFUSE_MOE_BWD): warp at K <= 2, tile
+def test_cuda_equals_cpu_at_model_size(dtype, K, E, bwd, monkeypatch):
+    monkeypatch.setenv("MMFUSE_MOE_BWD", bwd)
     g = torch.Generator().manual_seed(5)
-    T, K, E, H = 4099, 2, 8, 2048 + 8  # odd T; rows of 16-byte vectors
+    T, H = 4099, 2048 + 8  # odd T; rows of 16-byte vectors
     x = torch.randn(T, H, generator=g).to(dtype)
     idx = _indices(T, K, E, g)
     probs = torch.rand(T, K, generator=g)
@@ -205,6 +208,15 @@ def test_cuda_equals_cpu_at_model_size(dtype):
     assert torch.equal(dy_c, runs[0][0].cpu())
     torch.testing.assert_close(runs[0][1].cpu(), dp_c, rtol=1e-4, atol=1e-3)
     assert all(torch.equal(r[1], runs[0][1]) and torch.equal(r[0], runs[0][0]) for r in runs)  # deterministic
+
+
+@needs_gpu
+def test_path_knob_rejects_unknown_values(monkeypatch):
+    idx = torch.zeros(4, 1, dtype=torch.long, device="cuda")
+    p = mmfuse.moe_permute(torch.randn(4, 8, device="cuda"), idx, 2)
+    monkeypatch.setenv("MMFUSE_MOE_BWD", "warp")
+    with pytest.raises(ValueError, match="MMFUSE_MOE_BWD: expected auto, tile or general, got 'warp'"):
+        torch.ops.mmfuse.moe_unpermute_backward(p.rows, p.rows, p.row_id_map, None)
 
 
 @needs_gpu

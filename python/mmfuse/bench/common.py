@@ -1,5 +1,7 @@
 """Timing and reporting helpers of the benchmark CLI: CUDA events, medians, the copy ceiling, tables."""
 
+import contextlib
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -42,6 +44,24 @@ def time_us(fn: Callable[[], object], device: str, warmup: int = 5, iters: int =
             fn()
             times.append((time.perf_counter() - t) * 1e6)
     return statistics.median(times), max(times) - min(times)
+
+
+@contextlib.contextmanager
+def env(name: str, value: Optional[str]):
+    """Environment variable `name` set to `value` (None: unset) inside the block: the CUDA backends
+    read their path knobs (MMFUSE_DUAL_GEMM_PATH, MMFUSE_MOE_BWD) at every call."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:

@@ -7,14 +7,12 @@ Columns: time of the path the heuristic picks (``mmfuse``) and of each path forc
 over our time, where ``R_big`` is cuBLAS's rate on the big problem alone (issue 5's target: >= 98 %),
 and the speedup over the two cuBLAS calls. Each path's output is checked against torch.matmul."""
 
-import contextlib
-import os
 
 import torch
 
 import mmfuse
 
-from .common import time_us
+from .common import env, time_us
 
 # (name, (m0, k0, n0), (m1, k1, n1))
 _SHAPES = [
@@ -49,23 +47,6 @@ def _verify(outs, refs) -> str:
     return "close" if worst <= 2 ** -6 else f"FAIL {worst:.1e}"
 
 
-@contextlib.contextmanager
-def _path(name):
-    """MMFUSE_DUAL_GEMM_PATH set to name (None: unset) inside the block."""
-    old = os.environ.get("MMFUSE_DUAL_GEMM_PATH")
-    if name is None:
-        os.environ.pop("MMFUSE_DUAL_GEMM_PATH", None)
-    else:
-        os.environ["MMFUSE_DUAL_GEMM_PATH"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("MMFUSE_DUAL_GEMM_PATH", None)
-        else:
-            os.environ["MMFUSE_DUAL_GEMM_PATH"] = old
-
-
 def run(device: str, quick: bool = False) -> dict:
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     it = dict(iters=10 if quick else 30)
@@ -93,7 +74,7 @@ def run(device: str, quick: bool = False) -> dict:
             refs = (ref0(), ref1())
             verdicts, times = [], {}
             for path in (None, "cublaslt", "persistent") if device == "cuda" else (None,):
-                with _path(path):
+                with env("MMFUSE_DUAL_GEMM_PATH", path):
                     ours = mmfuse.dual_gemm(a0, w0, a1, w1, ta, tb)
                     verdicts.append(_verify(ours, refs))
                     times[path], _ = time_us(lambda: mmfuse.dual_gemm(a0, w0, a1, w1, ta, tb), device, **it)

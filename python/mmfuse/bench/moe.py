@@ -3,11 +3,13 @@ PyTorch formulation (stable argsort + index_select; gather + fp32 weighted sum; 
 with the copy-bandwidth ceiling of the same run. Bytes count each input read once and each output
 written once."""
 
+import sys
+
 import torch
 
 import mmfuse
 
-from .common import Row, copy_bandwidth_gbs, print_table, time_us
+from .common import Row, copy_bandwidth_gbs, env, print_table, time_us
 
 
 def _routing(T, K, E, device, seed, skew=None):
@@ -109,6 +111,52 @@ def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat
     return rows
 
 
+def sweep(quick: bool = True) -> None:
+    """Every path of the backward (MMFUSE_MOE_BWD: auto, tile, general) on the benchmark's cases and a
+    few more, each output compared bitwise with the default's, unpermute and the permute of the rows;
+    and a copy of the backward's own bytes, so that the fixed cost of a short launch shows next to the
+    1 GiB copy ceiling that the percentages are of."""
+    it = dict(iters=10 if quick else 30)
+    ops = torch.ops.mmfuse
+    copy = copy_bandwidth_gbs("cuda")
+    print(f"\ncopy bandwidth (read + write, 1 GiB): {copy:.0f} GB/s")
+    cases = [("T16k H4096 2/8", 16384, 4096, 2, 8, {}), ("T64k H2048 8/64", 65536, 2048, 8, 64, {}),
+             ("T16k H2048 2-expert", 16384, 2048, 1, 2, dict(skew=0.25)),
+             ("T8k H4096 8/64 drop", 8192, 4096, 8, 64, dict(drop=0.9)),
+             ("T64k H2048 2-expert", 65536, 2048, 1, 2, dict(skew=0.25)),
+             ("T16k H4096 2-expert", 16384, 4096, 1, 2, dict(skew=0.25)),
+             ("T32k H2048 2/8", 32768, 2048, 2, 8, {}), ("T32k H2048 2/64", 32768, 2048, 2, 64, {})]
+    pct = lambda nbytes, us: 100 * nbytes / (us * 1e-6) / 1e9 / copy  # noqa: E731
+    for name, T, H, K, E, kw in cases:
+        idx, probs = _routing(T, K, E, "cuda", seed=T + K + E, skew=kw.get("skew"))
+        num_out = T * K if kw.get("drop") is None else int(T * K * kw["drop"])
+        row_map = ops.moe_plan(idx, E, num_out)[0]
+        y = torch.randn(num_out, H, device="cuda").to(torch.bfloat16)
+        dout = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+        es = 2
+        nbytes = T * H * es + 2 * num_out * H * es + 4 * T * K + 2 * probs.numel() * 4
+        src = torch.randn(nbytes // 8, device="cuda")  # read + written: the backward's bytes
+        dst = torch.empty_like(src)
+        c_us, _ = time_us(lambda: dst.copy_(src), "cuda", **it)
+        del src, dst
+        ref = ops.moe_unpermute_backward(dout, y, row_map, probs)
+        line = []
+        for mode in ("auto", "tile", "general"):
+            with env("MMFUSE_MOE_BWD", mode):
+                us, _ = time_us(lambda: ops.moe_unpermute_backward(dout, y, row_map, probs), "cuda", **it)
+                got = ops.moe_unpermute_backward(dout, y, row_map, probs)
+            tag = "" if torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) else (
+                " (dprobs differ)" if torch.equal(got[0], ref[0]) else " DY DIFFERS")
+            line.append(f"{mode} {pct(nbytes, us):.1f}{tag}")
+        print(f"sweep {name}: backward % of copy: " + ", ".join(line) +
+              f" | a copy of the same {nbytes / 2 ** 20:.0f} MiB: {pct(nbytes, c_us):.1f}")
+        u_us, _ = time_us(lambda: mmfuse.moe_unpermute(y, row_map, probs), "cuda", **it)
+        p_us, _ = time_us(lambda: ops.moe_permute(dout, row_map, num_out), "cuda", **it)
+        u_bytes = num_out * H * es + T * H * es + 4 * T * K + probs.numel() * 4
+        p_bytes = T * H * es + num_out * H * es + 4 * T * K
+        print(f"sweep {name}: unpermute {pct(u_bytes, u_us):.1f}, permute rows {pct(p_bytes, p_us):.1f} % of copy")
+
+
 def run(device: str, quick: bool = False) -> dict:
     copy = copy_bandwidth_gbs(device)
     print(f"\ncopy bandwidth (read + write): {copy:.0f} GB/s")
@@ -130,3 +178,9 @@ def run(device: str, quick: bool = False) -> dict:
             print(f"moe {r.name}: {100 * r.nbytes / (r.us * 1e-6) / 1e9 / copy:.1f}% of copy")
     return dict(copy_gbs=copy, rows=[r.__dict__ for r in rows],
                 all_verified=all(not r.verified.startswith("FAIL") for r in rows))
+
+
+if __name__ == "__main__":  # python -m mmfuse.bench.moe sweep
+    if sys.argv[1:] != ["sweep"] or not torch.cuda.is_available():
+        sys.exit("usage (on a GPU): python -m mmfuse.bench.moe sweep")
+    sweep()
