@@ -6,8 +6,9 @@
 // to the workspace; after a grid-wide barrier every block sums the histogram columns (its chunk's
 // offset within each expert, and the expert totals), scans the totals into expert offsets, and ranks
 // each entry among the equal ids of its warp, so that an entry's destination is offset(expert) +
-// chunk offset + warp offset + rank. (Where the C blocks cannot all be resident, the same in two
-// launches, the second counting again.) No atomics on global memory, no host sync, deterministic; ids
+// chunk offset + warp offset + rank. (On sm_90+ where each warp's part is one tile, and where the C
+// blocks cannot all be resident, the same in two launches, the second counting again: see
+// moe_count_kernel.) No atomics on global memory, no host sync, deterministic; ids
 // out of range stop the kernel with a message (reported after the hot loops, so that the reporting
 // call does not cost the loops registers).
 //
@@ -261,9 +262,26 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(PlanArgs a) {
   rank_chunk<kTwo>(a, lo, hi, one_tile, e, peers, sm, pre, pre + a.E);
 }
 
-// The same in two launches, where the C blocks cannot all be resident at once.
+// The same in two launches: where the C blocks cannot all be resident at once, and on sm_90+ where
+// the recount is one tile a warp, the second as a programmatic dependent launch (PDL), so that it
+// costs no launch gap and no grid-wide barrier: every count block lets the rank kernel launch
+// as it starts, the rank blocks load and count their ids meanwhile and wait for the whole count
+// grid (its histogram writes visible) only before they read the histograms. (Without PDL both
+// griddepcontrol instructions are no-ops: stream order already holds.)
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 template <bool kTwo>
 __global__ void __launch_bounds__(kPlanThreads) moe_count_kernel(PlanArgs a) {
+  pdl_launch_dependents();
   extern __shared__ int32_t sm[];  // [kPlanWarps][E]
   int32_t lo, hi;
   warp_part(a, blockIdx.x, threadIdx.x >> 5, lo, hi);
@@ -290,6 +308,7 @@ __global__ void __launch_bounds__(kPlanThreads) moe_rank_kernel(PlanArgs a) {
   __syncthreads();
   unsigned peers[kPlanItems];
   count_chunk<kTwo>(a, lo, hi, e, sm + (threadIdx.x >> 5) * a.E, peers);  // the warp counts again
+  pdl_wait_primary();  // the count grid has finished: every chunk's histogram is written
   rank_chunk<kTwo>(a, lo, hi, one_tile, e, peers, sm, pre, pre + a.E);
 }
 
@@ -1177,6 +1196,18 @@ TileArgs tile_args(const TensorView& y, const TensorView& map, const TensorView&
 
 }  // namespace
 
+// MMFUSE_MOE_PLAN, the plan's launches, for tests and measurements: auto (unset: see moe_plan_cuda),
+// cooperative (the cooperative kernel where its blocks fit at once, else the two kernels in stream
+// order) or two (the count and rank kernels in plain stream order).
+enum class PlanMode { kAuto, kCooperative, kTwo };
+PlanMode plan_mode() {
+  const char* env = std::getenv("MMFUSE_MOE_PLAN");
+  const std::string v = env ? env : "";
+  MMFUSE_CHECK(v.empty() || v == "auto" || v == "cooperative" || v == "two",
+               "moe_plan: MMFUSE_MOE_PLAN: expected auto, cooperative or two, got '", v, "'");
+  return v == "cooperative" ? PlanMode::kCooperative : v == "two" ? PlanMode::kTwo : PlanMode::kAuto;
+}
+
 void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map, TensorView& counts, TensorView& d2s,
                    TensorView& ws, cudaStream_t stream) {
   const int64_t T = idx.shape[0], K = idx.shape[1], TK = T * K;  // TK < 2^31, E <= 4096: checked
@@ -1198,22 +1229,44 @@ void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map,
   a.d2s = static_cast<int32_t*>(d2s.data);
   a.d2s_s = d2s.ndim ? d2s.stride[0] : 1;
   const size_t smem_count = size_t(kPlanWarps) * E * 4, smem_rank = size_t(kPlanWarps + 2) * E * 4;
+  const PlanMode mode = plan_mode();
   auto go = [&](auto two) {
     constexpr bool kTwo = decltype(two)::value;
     const void* fused = reinterpret_cast<const void*>(&moe_plan_kernel<kTwo>);
+    const void* rank = reinterpret_cast<const void*>(&moe_rank_kernel<kTwo>);
     set_smem(fused, smem_rank);
-    if (a.C <= resident_blocks(fused, smem_rank)) {  // one launch: count, grid barrier, rank
-      void* args[] = {&a};
+    // auto: on sm_90+ the two kernels with PDL where the rank kernel's recount is one tile a warp,
+    // else the cooperative kernel where its blocks fit at once, else the two kernels (PDL on sm_90+).
+    // Measured on an H100 (2026-12-05 ~18:02 UTC, us, PDL / cooperative / two in stream order):
+    // T*K 16K-64K (one tile a warp) 7.1-9.0 / 7.2-9.5 / 9.2-12.0; top-8 of 64 at T*K 512K (4 tiles a
+    // warp) 27.9 / 24.8 / 31.7.
+    const bool sm90 = cuda::kernel_arch(rank) >= 90, one_tile = a.per_block <= kPlanThreads * kPlanItems;
+    const bool fits = a.C <= resident_blocks(fused, smem_rank);
+    const bool coop =
+        mode == PlanMode::kCooperative ? fits : mode == PlanMode::kAuto && fits && !(sm90 && one_tile);
+    const bool pdl = !coop && mode == PlanMode::kAuto && sm90;
+    if (coop) {
+      void* args[] = {&a};  // one launch: count, grid barrier, rank
       MMFUSE_CUDA_CHECK(cudaLaunchCooperativeKernel(fused, dim3(unsigned(a.C)), dim3(kPlanThreads), args, smem_rank,
                                                     stream));
       MMFUSE_CUDA_CHECK_LAUNCH("moe_plan_kernel");
       return;
     }
     set_smem(reinterpret_cast<const void*>(&moe_count_kernel<kTwo>), smem_count);
-    set_smem(reinterpret_cast<const void*>(&moe_rank_kernel<kTwo>), smem_rank);
+    set_smem(rank, smem_rank);
     moe_count_kernel<kTwo><<<unsigned(a.C), kPlanThreads, smem_count, stream>>>(a);
     MMFUSE_CUDA_CHECK_LAUNCH("moe_count_kernel");
-    moe_rank_kernel<kTwo><<<unsigned(a.C), kPlanThreads, smem_rank, stream>>>(a);
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = dim3(unsigned(a.C));
+    cfg.blockDim = dim3(kPlanThreads);
+    cfg.dynamicSmemBytes = smem_rank;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, &moe_rank_kernel<kTwo>, a));
     MMFUSE_CUDA_CHECK_LAUNCH("moe_rank_kernel");
   };
   if (E <= 2)

@@ -196,10 +196,39 @@ CudaPlan plan_cuda(const std::vector<int64_t>& ids, int64_t T, int64_t K, int64_
   return {map.download(), d2s.download(), counts.download()};
 }
 
+// Sets an environment variable for the life of the object (the CUDA backends read their path knobs
+// at every call), then restores it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_, old_.c_str(), 1);
+    else unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
 }  // namespace
 
-TEST(MoeCuda, PlanEqualsCpu) {
+class MoeCudaPlan : public ::testing::TestWithParam<const char*> {};
+
+// Every launch of the plan (MMFUSE_MOE_PLAN): auto (on sm_90+ the count and rank kernels with a
+// programmatic dependent launch), the cooperative kernel (where its blocks fit), the two kernels in
+// stream order.
+INSTANTIATE_TEST_SUITE_P(PlanLaunches, MoeCudaPlan, ::testing::Values("auto", "cooperative", "two"));
+
+TEST_P(MoeCudaPlan, PlanEqualsCpu) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  ScopedEnv env("MMFUSE_MOE_PLAN", GetParam());
   std::mt19937_64 rng(test_seed());
   Stream st;
   int cases = 0;
@@ -222,27 +251,6 @@ TEST(MoeCuda, PlanEqualsCpu) {
 }
 
 namespace {
-
-// Sets an environment variable for the life of the object (the CUDA backends read their path knobs
-// at every call), then restores it.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_, old_.c_str(), 1);
-    else unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
 
 template <class S>
 void rows_equal_cpu(std::mt19937_64& rng, int64_t T, int64_t K, int64_t E, int64_t H, int64_t num_out,

@@ -211,8 +211,12 @@ def test_cuda_equals_cpu_at_model_size(dtype, K, E, bwd, monkeypatch):
 
 
 @needs_gpu
-def test_path_knob_rejects_unknown_values(monkeypatch):
+def test_path_knobs_reject_unknown_values(monkeypatch):
     idx = torch.zeros(4, 1, dtype=torch.long, device="cuda")
+    monkeypatch.setenv("MMFUSE_MOE_PLAN", "grid")
+    with pytest.raises(ValueError, match="MMFUSE_MOE_PLAN: expected auto, cooperative or two, got 'grid'"):
+        torch.ops.mmfuse.moe_plan(idx, 2, 0)
+    monkeypatch.delenv("MMFUSE_MOE_PLAN")
     p = mmfuse.moe_permute(torch.randn(4, 8, device="cuda"), idx, 2)
     monkeypatch.setenv("MMFUSE_MOE_BWD", "warp")
     with pytest.raises(ValueError, match="MMFUSE_MOE_BWD: expected auto, tile or general, got 'warp'"):

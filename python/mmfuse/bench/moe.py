@@ -112,14 +112,17 @@ def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat
 
 
 def sweep(quick: bool = True) -> None:
-    """Every path of the backward (MMFUSE_MOE_BWD: auto, tile, general) on the benchmark's cases and a
-    few more, each output compared bitwise with the default's, unpermute and the permute of the rows;
+    """Every launch of the plan (MMFUSE_MOE_PLAN: auto, cooperative, two) and every path of the backward
+    (MMFUSE_MOE_BWD: auto, tile, general) on the benchmark's cases and a few more, each output compared
+    bitwise with the default's, unpermute and the permute of the rows;
     and a copy of the backward's own bytes, so that the fixed cost of a short launch shows next to the
     1 GiB copy ceiling that the percentages are of."""
     it = dict(iters=10 if quick else 30)
     ops = torch.ops.mmfuse
     copy = copy_bandwidth_gbs("cuda")
     print(f"\ncopy bandwidth (read + write, 1 GiB): {copy:.0f} GB/s")
+    one = torch.zeros(1, device="cuda")
+    print(f"one kernel (a one-element add_), the floor of any timed launch: {time_us(lambda: one.add_(1), 'cuda', **it)[0]:.1f} us")
     cases = [("T16k H4096 2/8", 16384, 4096, 2, 8, {}), ("T64k H2048 8/64", 65536, 2048, 8, 64, {}),
              ("T16k H2048 2-expert", 16384, 2048, 1, 2, dict(skew=0.25)),
              ("T8k H4096 8/64 drop", 8192, 4096, 8, 64, dict(drop=0.9)),
@@ -130,7 +133,15 @@ def sweep(quick: bool = True) -> None:
     for name, T, H, K, E, kw in cases:
         idx, probs = _routing(T, K, E, "cuda", seed=T + K + E, skew=kw.get("skew"))
         num_out = T * K if kw.get("drop") is None else int(T * K * kw["drop"])
-        row_map = ops.moe_plan(idx, E, num_out)[0]
+        want = ops.moe_plan(idx, E, num_out)
+        row_map = want[0]
+        line = []
+        for mode in ("auto", "cooperative", "two"):
+            with env("MMFUSE_MOE_PLAN", mode):
+                us, _ = time_us(lambda: ops.moe_plan(idx, E, num_out), "cuda", **it)
+                same = all(torch.equal(a, b) for a, b in zip(ops.moe_plan(idx, E, num_out), want))
+            line.append(f"{mode} {us:.1f}{'' if same else ' DIFFERS'}")
+        print(f"sweep {name} (T*K {T * K}): plan us: " + ", ".join(line))
         y = torch.randn(num_out, H, device="cuda").to(torch.bfloat16)
         dout = torch.randn(T, H, device="cuda").to(torch.bfloat16)
         es = 2
