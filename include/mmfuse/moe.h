@@ -6,6 +6,12 @@
 //
 // Workspaces are int32 buffers of the size the *_workspace_size functions give, owned by the caller
 // (the core allocates nothing); their contents need no initialisation and are scratch afterwards.
+//
+// CUDA paths, chosen per call (src/cuda/moe.cu says which and why); for tests and measurements the
+// environment forces one, read at every call: MMFUSE_MOE_PLAN=auto|cooperative|two (the plan's
+// launches) and MMFUSE_MOE_BWD=auto|tile|general (the unpermute backward's kernel). Any other value
+// is an error naming it. The plan's launches give the same bits, and so do the backward's kernels
+// for dy and, but for the general kernel (another fp32 summation order), for dprobs.
 #pragma once
 
 #include "mmfuse/common.h"
