@@ -7,7 +7,6 @@ Columns: time of the path the heuristic picks (``mmfuse``) and of each path forc
 over our time, where ``R_big`` is cuBLAS's rate on the big problem alone (issue 5's target: >= 98 %),
 and the speedup over the two cuBLAS calls. Each path's output is checked against torch.matmul."""
 
-
 import torch
 
 import mmfuse
