@@ -59,12 +59,33 @@ def torch_unpermute_bwd(dout, y, row_map, probs):
     return dy, dprobs.view(K, T).t()
 
 
+# The benchmark's GPU cases: (name, T, H, K, E, options of _case)
+_GPU_CASES = [("T16k H4096 2/8", 16384, 4096, 2, 8, {}),
+              ("T64k H2048 8/64", 65536, 2048, 8, 64, {}),
+              ("T16k H2048 2-expert", 16384, 2048, 1, 2, dict(skew=0.25)),  # 25% action tokens
+              ("T8k H4096 8/64 drop", 8192, 4096, 8, 64, dict(drop=0.9))]  # T*K = 64K, 10% dropped
+
+
+def _kept(T, K, drop):
+    """Rows kept of T*K (num_out_tokens): all, or the fraction `drop`."""
+    return T * K if drop is None else int(T * K * drop)
+
+
+def _bytes(T, H, K, num_out, es):
+    """Bytes each op moves, each input read once and each output written once: permute of the rows,
+    unpermute, unpermute backward (the row_id_map, int32, and the fp32 probs / dprobs included)."""
+    map_bytes = prob_bytes = 4 * T * K
+    return dict(permute=T * H * es + num_out * H * es + map_bytes,
+                unpermute=num_out * H * es + T * H * es + map_bytes + prob_bytes,
+                backward=T * H * es + 2 * num_out * H * es + map_bytes + 2 * prob_bytes)
+
+
 def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat16):
     it = dict(iters=10 if quick else 30)
     idx, probs = _routing(T, K, E, device, seed=T + K + E, skew=skew)
     x = torch.randn(T, H, device=device).to(dt)
-    num_out = T * K if drop is None else int(T * K * drop)
-    es = x.element_size()
+    num_out = _kept(T, K, drop)
+    nbytes = _bytes(T, H, K, num_out, x.element_size())
     ops = torch.ops.mmfuse
     rows = []
 
@@ -77,9 +98,8 @@ def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat
     ok = ok and torch.equal(p.counts, torch.bincount(idx.reshape(-1)[order], minlength=E))
     verdict = "exact" if ok else "FAIL"
     base_us, _ = time_us(lambda: torch_permute(x, idx, num_out), device, **it)
-    map_bytes = 4 * T * K
     rows.append(Row(f"{name} plan", plan_us, plan_sp, None, verified=verdict))
-    perm_bytes = T * H * es + num_out * H * es + map_bytes
+    perm_bytes = nbytes["permute"]
     full_us, full_sp = time_us(lambda: mmfuse.moe_permute(x, idx, E, num_out), device, **it)
     rows.append(Row(f"{name} moe_permute (plan+rows)", full_us, full_sp, perm_bytes + idx.numel() * 8,
                     base_us, "argsort", verdict))
@@ -95,8 +115,7 @@ def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat
                                                        else f"FAIL {diff:.2g}")
     u_us, u_sp = time_us(lambda: mmfuse.moe_unpermute(y, p.row_id_map, probs), device, **it)
     ub_us, _ = time_us(lambda: torch_unpermute(y, p.row_id_map.long(), probs), device, **it)
-    un_bytes = num_out * H * es + T * H * es + map_bytes + probs.numel() * 4
-    rows.append(Row(f"{name} unpermute", u_us, u_sp, un_bytes, ub_us, "gather+sum", verdict))
+    rows.append(Row(f"{name} unpermute", u_us, u_sp, nbytes["unpermute"], ub_us, "gather+sum", verdict))
 
     # unpermute backward (dy and dprobs)
     dout = torch.randn(T, H, device=device).to(dt)
@@ -105,10 +124,16 @@ def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat
     ok = torch.equal(dy, wdy) and torch.allclose(dp, wdp, rtol=1e-3, atol=1e-2)
     b_us, b_sp = time_us(lambda: ops.moe_unpermute_backward(dout, y, p.row_id_map, probs), device, **it)
     bb_us, _ = time_us(lambda: torch_unpermute_bwd(dout, y, p.row_id_map.long(), probs), device, **it)
-    bw_bytes = T * H * es + 2 * num_out * H * es + map_bytes + 2 * probs.numel() * 4
-    rows.append(Row(f"{name} unpermute bwd", b_us, b_sp, bw_bytes, bb_us, "index_copy",
+    rows.append(Row(f"{name} unpermute bwd", b_us, b_sp, nbytes["backward"], bb_us, "index_copy",
                     "exact dy" if ok else "FAIL"))
     return rows
+
+
+def _copy_us(nbytes, it):
+    """Time of a device copy that reads and writes nbytes in all."""
+    src = torch.randn(nbytes // 8, device="cuda")
+    dst = torch.empty_like(src)
+    return time_us(lambda: dst.copy_(src), "cuda", **it)[0]
 
 
 def sweep(quick: bool = True) -> None:
@@ -124,16 +149,13 @@ def sweep(quick: bool = True) -> None:
     one = torch.randn(1, device="cuda")
     floor_us = time_us(lambda: one.add_(1), "cuda", **it)[0]
     print(f"one kernel (a one-element add_), the floor of any timed launch: {floor_us:.1f} us")
-    cases = [("T16k H4096 2/8", 16384, 4096, 2, 8, {}), ("T64k H2048 8/64", 65536, 2048, 8, 64, {}),
-             ("T16k H2048 2-expert", 16384, 2048, 1, 2, dict(skew=0.25)),
-             ("T8k H4096 8/64 drop", 8192, 4096, 8, 64, dict(drop=0.9)),
-             ("T64k H2048 2-expert", 65536, 2048, 1, 2, dict(skew=0.25)),
-             ("T16k H4096 2-expert", 16384, 4096, 1, 2, dict(skew=0.25)),
-             ("T32k H2048 2/8", 32768, 2048, 2, 8, {}), ("T32k H2048 2/64", 32768, 2048, 2, 64, {})]
+    cases = _GPU_CASES + [("T64k H2048 2-expert", 65536, 2048, 1, 2, dict(skew=0.25)),
+                          ("T16k H4096 2-expert", 16384, 4096, 1, 2, dict(skew=0.25)),
+                          ("T32k H2048 2/8", 32768, 2048, 2, 8, {}), ("T32k H2048 2/64", 32768, 2048, 2, 64, {})]
     pct = lambda nbytes, us: 100 * nbytes / (us * 1e-6) / 1e9 / copy  # noqa: E731
     for name, T, H, K, E, kw in cases:
         idx, probs = _routing(T, K, E, "cuda", seed=T + K + E, skew=kw.get("skew"))
-        num_out = T * K if kw.get("drop") is None else int(T * K * kw["drop"])
+        num_out = _kept(T, K, kw.get("drop"))
         want = ops.moe_plan(idx, E, num_out)
         row_map = want[0]
         line = []
@@ -145,12 +167,9 @@ def sweep(quick: bool = True) -> None:
         print(f"sweep {name} (T*K {T * K}): plan us: " + ", ".join(line))
         y = torch.randn(num_out, H, device="cuda").to(torch.bfloat16)
         dout = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-        es = 2
-        nbytes = T * H * es + 2 * num_out * H * es + 4 * T * K + 2 * probs.numel() * 4
-        src = torch.randn(nbytes // 8, device="cuda")  # read + written: the backward's bytes
-        dst = torch.empty_like(src)
-        c_us, _ = time_us(lambda: dst.copy_(src), "cuda", **it)
-        del src, dst
+        nb = _bytes(T, H, K, num_out, y.element_size())
+        nbytes = nb["backward"]
+        c_us = _copy_us(nbytes, it)
         ref = ops.moe_unpermute_backward(dout, y, row_map, probs)
         line = []
         for mode in ("auto", "tile", "general"):
@@ -164,19 +183,15 @@ def sweep(quick: bool = True) -> None:
               f" | a copy of the same {nbytes / 2 ** 20:.0f} MiB: {pct(nbytes, c_us):.1f}")
         u_us, _ = time_us(lambda: mmfuse.moe_unpermute(y, row_map, probs), "cuda", **it)
         p_us, _ = time_us(lambda: ops.moe_permute(dout, row_map, num_out), "cuda", **it)
-        u_bytes = num_out * H * es + T * H * es + 4 * T * K + probs.numel() * 4
-        p_bytes = T * H * es + num_out * H * es + 4 * T * K
-        print(f"sweep {name}: unpermute {pct(u_bytes, u_us):.1f}, permute rows {pct(p_bytes, p_us):.1f} % of copy")
+        print(f"sweep {name}: unpermute {pct(nb['unpermute'], u_us):.1f}, "
+              f"permute rows {pct(nb['permute'], p_us):.1f} % of copy")
 
 
 def run(device: str, quick: bool = False) -> dict:
     copy = copy_bandwidth_gbs(device)
     print(f"\ncopy bandwidth (read + write): {copy:.0f} GB/s")
     if device == "cuda":
-        cases = [("T16k H4096 2/8", 16384, 4096, 2, 8, {}),
-                 ("T64k H2048 8/64", 65536, 2048, 8, 64, {}),
-                 ("T16k H2048 2-expert", 16384, 2048, 1, 2, dict(skew=0.25)),  # 25% action tokens
-                 ("T8k H4096 8/64 drop", 8192, 4096, 8, 64, dict(drop=0.9))]  # T*K = 64K, 10% dropped
+        cases = _GPU_CASES
     else:
         cases = [("T1k H256 2/8", 1024, 256, 2, 8, {}), ("T1k H256 2-expert", 1024, 256, 1, 2, dict(skew=0.25))]
     rows = []
