@@ -658,16 +658,13 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
 // (fp32 from zero in k order: bitwise equal to the token-tile kernel it replaced at K <= 2).
 constexpr int kRowThreads = 256, kRowWarps = kRowThreads / 32;
 
-template <class S, int VEC, int KG, int CH>
-__global__ void __launch_bounds__(kRowThreads)
-    moe_unpermute_warp_kernel(const S* __restrict__ y, int64_t ys, int64_t N, S* __restrict__ out, int64_t os,
-                              MapRef map, const float* __restrict__ probs, int64_t ps0, int64_t ps1, int64_t T,
-                              int64_t K, uint32_t V) {
-  using C = typename dcompute<S>::type;
-  using W = Vec<S, VEC>;
-  const int lane = threadIdx.x & 31;
+// The tokens of this warp (warp w of the grid: w, w + warps, ...), body(t, r) for each with r its
+// KG rows of the map (-1: none or past K; bad entries recorded in `bad` and read as -1); the next
+// token's entries are loaded before body runs, so that they are in flight with this token's rows.
+template <int KG, class F>
+__device__ __forceinline__ void warp_token_walk(const MapRef& map, int64_t K, int64_t N, int64_t T, BadEntry& bad,
+                                                F&& body) {
   const int64_t step = int64_t(gridDim.x) * kRowWarps;
-  BadEntry bad;
   int64_t t = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   int32_t r[KG];
 #pragma unroll
@@ -678,6 +675,22 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
     for (int kk = 0; kk < KG; ++kk) rn[kk] = -1;
     if (t + step < T) load_rows<KG>(map, 0, K, t + step, N, rn, bad);
+    body(t, static_cast<const int32_t(&)[KG]>(r));
+#pragma unroll
+    for (int kk = 0; kk < KG; ++kk) r[kk] = rn[kk];
+  }
+}
+
+template <class S, int VEC, int KG, int CH>
+__global__ void __launch_bounds__(kRowThreads)
+    moe_unpermute_warp_kernel(const S* __restrict__ y, int64_t ys, int64_t N, S* __restrict__ out, int64_t os,
+                              MapRef map, const float* __restrict__ probs, int64_t ps0, int64_t ps1, int64_t T,
+                              int64_t K, uint32_t V) {
+  using C = typename dcompute<S>::type;
+  using W = Vec<S, VEC>;
+  const int lane = threadIdx.x & 31;
+  BadEntry bad;
+  warp_token_walk<KG>(map, K, N, T, bad, [&](int64_t t, const int32_t(&r)[KG]) {
     C w[KG];
     const W* src[KG];
 #pragma unroll
@@ -713,9 +726,7 @@ __global__ void __launch_bounds__(kRowThreads)
         dst[c0 + u * 32] = o;
       }
     }
-#pragma unroll
-    for (int kk = 0; kk < KG; ++kk) r[kk] = rn[kk];
-  }
+  });
   if (bad.t >= 0) bad_row("moe_unpermute", map, bad.k, bad.t, N);
 }
 
@@ -732,19 +743,9 @@ __global__ void __launch_bounds__(kRowThreads) moe_unpermute_bwd_warp_kernel(
   using C = typename dcompute<S>::type;
   using W = Vec<S, VEC>;
   const int lane = threadIdx.x & 31;
-  const int64_t step = int64_t(gridDim.x) * kRowWarps;
   BadEntry bad;
   int32_t dup = -1;  // a row this lane found marked already
-  int64_t t = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
-  int32_t r[KG];
-#pragma unroll
-  for (int kk = 0; kk < KG; ++kk) r[kk] = -1;
-  if (t < T) load_rows<KG>(map, 0, K, t, N, r, bad);
-  for (; t < T; t += step) {
-    int32_t rn[KG];
-#pragma unroll
-    for (int kk = 0; kk < KG; ++kk) rn[kk] = -1;
-    if (t + step < T) load_rows<KG>(map, 0, K, t + step, N, rn, bad);
+  warp_token_walk<KG>(map, K, N, T, bad, [&](int64_t t, const int32_t(&r)[KG]) {
     C w[KG], dot[KG];
     int32_t rl = -1;  // lane kk: entry kk, marked as written
 #pragma unroll
@@ -802,9 +803,7 @@ __global__ void __launch_bounds__(kRowThreads) moe_unpermute_bwd_warp_kernel(
       }
       if (lane < K) dprobs[t * dps0 + lane * dps1] = rl >= 0 ? float(mine) : 0.0f;
     }
-#pragma unroll
-    for (int kk = 0; kk < KG; ++kk) r[kk] = rn[kk];
-  }
+  });
   if (bad.t >= 0) bad_row("moe_unpermute_backward", map, bad.k, bad.t, N);
   if (dup >= 0) duplicate_row(dup);
 }

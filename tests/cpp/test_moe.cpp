@@ -196,27 +196,6 @@ CudaPlan plan_cuda(const std::vector<int64_t>& ids, int64_t T, int64_t K, int64_
   return {map.download(), d2s.download(), counts.download()};
 }
 
-// Sets an environment variable for the life of the object (the CUDA backends read their path knobs
-// at every call), then restores it.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_, old_.c_str(), 1);
-    else unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
-
 }  // namespace
 
 class MoeCudaPlan : public ::testing::TestWithParam<const char*> {};

@@ -149,6 +149,7 @@ def sweep(quick: bool = True) -> None:
     one = torch.randn(1, device="cuda")
     floor_us = time_us(lambda: one.add_(1), "cuda", **it)[0]
     print(f"one kernel (a one-element add_), the floor of any timed launch: {floor_us:.1f} us")
+    floor_n_us = time_us(lambda: [one.add_(1) for _ in range(20)], "cuda", **it)[0]
     cases = _GPU_CASES + [("T64k H2048 2-expert", 65536, 2048, 1, 2, dict(skew=0.25)),
                           ("T16k H4096 2-expert", 16384, 4096, 1, 2, dict(skew=0.25)),
                           ("T32k H2048 2/8", 32768, 2048, 2, 8, {}), ("T32k H2048 2/64", 32768, 2048, 2, 64, {})]
@@ -164,6 +165,12 @@ def sweep(quick: bool = True) -> None:
                 us, _ = time_us(lambda: ops.moe_plan(idx, E, num_out), "cuda", **it)
                 same = all(torch.equal(a, b) for a, b in zip(ops.moe_plan(idx, E, num_out), want))
             line.append(f"{mode} {us:.1f}{'' if same else ' DIFFERS'}")
+        # in a stream: n plans queued back to back (the launch of each hidden behind the one before),
+        # the time a plan adds to a step, next to n one-element add_ launches
+        n = 20
+        with env("MMFUSE_MOE_PLAN", "auto"):
+            us, _ = time_us(lambda: [ops.moe_plan(idx, E, num_out) for _ in range(n)], "cuda", **it)
+        line.append(f"auto, {n} back to back {us / n:.1f} a plan (add_ {floor_n_us / n:.1f})")
         print(f"sweep {name} (T*K {T * K}): plan us: " + ", ".join(line))
         y = torch.randn(num_out, H, device="cuda").to(torch.bfloat16)
         dout = torch.randn(T, H, device="cuda").to(torch.bfloat16)
@@ -207,7 +214,18 @@ def run(device: str, quick: bool = False) -> dict:
                 all_verified=all(not r.verified.startswith("FAIL") for r in rows))
 
 
-if __name__ == "__main__":  # python -m mmfuse.bench.moe sweep
-    if sys.argv[1:] != ["sweep"] or not torch.cuda.is_available():
-        sys.exit("usage (on a GPU): python -m mmfuse.bench.moe sweep")
-    sweep()
+def plans(reps: int = 3) -> None:
+    """Each launch of the plan (MMFUSE_MOE_PLAN) `reps` times at T*K = 64K, top-8 of 64, after one
+    warm-up each: a workload for a profiler (ncu --kernel-name regex:moe_)."""
+    idx, _ = _routing(8192, 8, 64, "cuda", seed=0)
+    for mode in ("auto", "cooperative", "two"):
+        with env("MMFUSE_MOE_PLAN", mode):
+            for _ in range(reps + 1):
+                torch.ops.mmfuse.moe_plan(idx, 64, idx.numel())
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":  # python -m mmfuse.bench.moe sweep|plans
+    if sys.argv[1:] not in (["sweep"], ["plans"]) or not torch.cuda.is_available():
+        sys.exit("usage (on a GPU): python -m mmfuse.bench.moe sweep|plans")
+    sweep() if sys.argv[1] == "sweep" else plans()
