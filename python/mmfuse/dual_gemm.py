@@ -2,8 +2,8 @@
 ``out_e = op(a_e) @ op(w_e)`` for ``e`` in {0, 1}, the experts free to differ in m, n and k.
 Differentiable in all four inputs. CPU, and CUDA through cuBLASLt (one matmul an expert on the current
 stream, descriptors and algorithms cached per problem, no host sync). A persistent sm_90a kernel over
-both problems' tiles (TMA, wgmma) also exists; it is exact but still slower than cuBLASLt on every
-measured shape, so the path heuristic does not pick it. ``MMFUSE_DUAL_GEMM_PATH=cublaslt`` or
+both problems' tiles (TMA, wgmma) also exists; it is exact, but at best equal to cuBLASLt (the
+small-expert shapes' forward and dW) and slower elsewhere, so the path heuristic does not pick it. ``MMFUSE_DUAL_GEMM_PATH=cublaslt`` or
 ``=persistent`` in the environment forces a path (read at each call; for tests and measurements).
 """
 

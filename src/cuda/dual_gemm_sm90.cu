@@ -9,8 +9,15 @@
 // copies of A and B into a ring of kStages shared-memory stages, each completing on its stage's
 // "full" mbarrier), warpgroups 1 and 2 are the consumers (each computes 64 rows of the 128 x 256
 // tile with m64n256k16 wgmma from shared memory, releases a stage on the "empty" mbarriers of both
-// CTAs once its wgmma have read it, and stores its fp32 accumulators, rounded once, straight to the
-// output). Registers move from the producer to the consumers with setmaxnreg.
+// CTAs once its wgmma have read it, and stores its fp32 accumulators, rounded once). Registers move
+// from the producer to the consumers with setmaxnreg.
+//
+// Two epilogues. Where every output is 16-bit (the input dtype) with rows of a multiple of 16 bytes,
+// each consumer warpgroup writes its 64 x 256 block a half at a time with stmatrix into its own
+// 16 KB staging buffer (128-byte swizzle, conflict-free) and one thread stores each half with TMA
+// (`cp.async.bulk.tensor`, clipped at the output's edges), waited for only before the buffer's next
+// use: the second half's stores overlap the next tile's main loop. Otherwise (fp32 outputs,
+// accumulation, other row lengths) the accumulators go straight from registers to global memory.
 //
 // Layouts: K-major operands (a [m, k], w [n, k]) arrive as 64-wide (128-byte) boxes of rows;
 // M/N-major ones (a [k, m] with trans_a, w [k, n] without trans_b) as 64 x 64 boxes side by side,
@@ -19,10 +26,10 @@
 //
 // The kernel needs 16-byte-aligned operands with row strides a multiple of 16 bytes (TMA) and an
 // sm_90a cubin; dual_gemm.cu asks sm90_dual_gemm_supported() and otherwise uses the cuBLASLt path.
-// Measured on the H200 (docs/benchmarks.md, 2026-12-04 21:10-21:21) it reaches 0.3-0.9x of the
-// cuBLASLt path, so the heuristic does not pick it yet: its straight-from-register epilogue stores
-// cost 18-37 % of its time (without them it beats cuBLASLt), and it has no split of k for problems
-// with few tiles.
+// Measured (docs/benchmarks.md): with the register epilogue only, 0.3-0.9x of the cuBLASLt path (H200,
+// 2026-12-04 21:10-21:21; those stores cost 18-37 % of its time); with the TMA epilogue 1.00x on the
+// tiny-small forward and dW and 0.63-0.96x elsewhere (H100, 2026-12-05 19:25), so the heuristic does
+// not pick it yet. It has no split of k: problems with fewer output tiles than clusters idle SMs.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime)
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -30,7 +37,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #include "common/cuda_check.h"
@@ -44,8 +53,14 @@ namespace {
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kThreads = 384;
 constexpr int kCluster = 2;  // CTAs a cluster: the two tiles of a unit, sharing B
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
-constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* 1024-byte alignment of the swizzled tiles */ +
-                           2 * kStages * 8 /* barriers */;
+// The TMA epilogue stages each consumer warpgroup's 64 x 256 block of 16-bit outputs a half at a
+// time: two 64 x 64 boxes in the 128-byte swizzle, 16 KB a warpgroup (the whole block would leave
+// room for only 3 ring stages, which cost more than the wait between the halves: docs/benchmarks.md,
+// 2026-12-05 19:25).
+constexpr int kOutBoxBytes = 64 * 64 * 2, kOutBytes = 2 * kOutBoxBytes;
+template <bool kTmaOut>
+constexpr int kSmemBytes = kStages * kStageBytes + (kTmaOut ? 2 * kOutBytes : 0) +
+                           1024 /* 1024-byte alignment of the swizzled tiles */ + 2 * kStages * 8 /* barriers */;
 
 enum OutKind : int { kOutInput = 0, kOutFloat = 1, kOutFloatAccumulate = 2 };
 
@@ -117,6 +132,34 @@ __device__ __forceinline__ void tma_load_both(void* dst, const CUtensorMap* map,
       " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
       "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(uint16_t(3))
       : "memory");
+}
+
+// A 2-D box from shared memory to global memory through a tensor map (what lies outside the tensor is
+// not written), in this thread's current bulk-async group.
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(map), "r"(c0),
+               "r"(c1), "r"(src)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// This thread's bulk stores have read their shared memory (kRead), or are complete.
+template <bool kRead>
+__device__ __forceinline__ void bulk_wait_all() {
+  if constexpr (kRead)
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  else
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+// Barrier `id` (1, 2, ...: 0 is __syncthreads) of `count` threads.
+__device__ __forceinline__ void named_barrier(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+// Four 8 x 8 matrices of 16-bit values to shared memory: lanes 8 i .. 8 i + 7 give the addresses of
+// matrix i's rows; v[i] is this lane's pair of matrix i (row lane / 4, columns 2 (lane % 4) + 0, 1).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&v)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v[0]), "r"(v[1]),
+               "r"(v[2]), "r"(v[3])
+               : "memory");
 }
 
 // wgmma shared-memory descriptor, 128-byte swizzle: start, leading and stride byte offsets.
@@ -262,6 +305,61 @@ __device__ __forceinline__ void store_tile(const float (&d)[128], const Problem&
   }
 }
 
+// Two floats rounded to T (bf16 or fp16), packed: the first at the lower address.
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float v0, float v1) {
+  uint32_t u;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(v0, v1);
+    memcpy(&u, &h, 4);
+  } else {
+    const __half2 h = __floats2half2_rn(v0, v1);
+    memcpy(&u, &h, 4);
+  }
+  return u;
+}
+
+// The TMA epilogue of consumer warpgroup c: its 64 x 256 block, rounded once, a half (64 x 128) at a
+// time into its staging buffer `buf` (two 64 x 64 boxes, 128-byte swizzle: the 16-byte chunk q of
+// row r at r * 128 + ((q ^ (r % 8)) * 16), so that each stmatrix writes 8 rows in distinct banks),
+// then one thread stores the boxes that lie inside the output. The buffer is refilled only after the
+// stores before have read it; the second half's stores complete while the next tile's main loop runs.
+template <class T>
+__device__ __forceinline__ void store_tile_tma(const float (&d)[128], unsigned char* buf, const CUtensorMap* map,
+                                               int n, int row0, int col0, int c) {
+  constexpr int kParts = 2, kBoxes = 2;  // halves of the block, boxes a half
+  const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
+  const uint32_t base = smem_u32(buf);
+  const int i = lane / 8, rr = lane % 8;       // the matrix this lane addresses, and its row in it
+  const int r = 16 * warp + 8 * (i % 2) + rr;  // matrix i of step j: rows 8 (i % 2), columns 8 (j + i / 2)
+#pragma unroll
+  for (int part = 0; part < kParts; ++part) {
+    if (tid == 0) bulk_wait_all<true>();  // the buffer's previous stores have read it
+    named_barrier(1 + c, 128);
+#pragma unroll
+    for (int j = part * 8 * kBoxes; j < (part + 1) * 8 * kBoxes; j += 2) {
+      uint32_t v[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int jj = j + q / 2, h = q % 2;
+        v[q] = pack2<T>(d[4 * jj + 2 * h], d[4 * jj + 2 * h + 1]);
+      }
+      const int jj = j + i / 2;
+      stmatrix_x4(base + (jj / 8 % kBoxes) * kOutBoxBytes + r * 128 + (((jj % 8) ^ rr) << 4), v);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes, visible to the TMA unit
+    named_barrier(1 + c, 128);
+    if (tid == 0) {
+#pragma unroll
+      for (int b = 0; b < kBoxes; ++b) {
+        const int col = col0 + 64 * (part * kBoxes + b);
+        if (col < n) tma_store(map, base + b * kOutBoxBytes, col, row0);
+      }
+      bulk_commit();
+    }
+  }
+}
+
 struct TileCoord {
   int e, m0, n0;
 };
@@ -274,17 +372,20 @@ __device__ __forceinline__ TileCoord tile_coord(const Params& prm, int u, uint32
 }
 #endif  // MMFUSE_SM90A
 
-// Tensor maps: a (ma*) and w (mw*) of the two problems in schedule order.
-template <class T, bool TA, bool TB>
+// Tensor maps: a (ma*), w (mw*) and, with the TMA epilogue (kTmaOut: 16-bit outputs), out (mo*) of
+// the two problems in schedule order.
+template <class T, bool TA, bool TB, bool kTmaOut>
 __global__ void __launch_bounds__(kThreads, 1)
     dual_gemm_sm90_kernel(const __grid_constant__ CUtensorMap ma0, const __grid_constant__ CUtensorMap mw0,
                           const __grid_constant__ CUtensorMap ma1, const __grid_constant__ CUtensorMap mw1,
+                          const __grid_constant__ CUtensorMap mo0, const __grid_constant__ CUtensorMap mo1,
                           const __grid_constant__ Params prm) {
 #ifdef MMFUSE_SM90A
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem =
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  unsigned char* out_buf = smem + kStages * kStageBytes;  // kTmaOut: kOutBytes a consumer warpgroup
+  uint64_t* full = reinterpret_cast<uint64_t*>(out_buf + (kTmaOut ? 2 * kOutBytes : 0));
   uint64_t* empty = full + kStages;
   const int wg = threadIdx.x / 128;
   const uint32_t rank = cluster_rank();
@@ -378,8 +479,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       fence_acc(d);
       if (prev >= 0 && threadIdx.x % 32 == 0) release(prev);
-      store_tile<T>(d, prm.p[tc.e], tc.m0 + 64 * c, tc.n0);
+      const Problem& p = prm.p[tc.e];
+      if constexpr (kTmaOut) {
+        if (tc.m0 + 64 * c < p.m)
+          store_tile_tma<T>(d, out_buf + c * kOutBytes, tc.e ? &mo1 : &mo0, p.n, tc.m0 + 64 * c, tc.n0, c);
+      } else {
+        store_tile<T>(d, p, tc.m0 + 64 * c, tc.n0);
+      }
     }
+    if (kTmaOut && threadIdx.x % 128 == 0) bulk_wait_all<false>();  // the last stores complete before exit
   }
   cluster_sync();  // neither CTA exits while the other may still arrive on its barriers
 #endif  // MMFUSE_SM90A
@@ -415,12 +523,13 @@ CUtensorMap operand_map(const TensorView& v, int box_rows) {
   return map;
 }
 
-template <class T, bool TA, bool TB>
+template <class T, bool TA, bool TB, bool kTmaOut>
 void launch(const Sm90Expert (&ex)[2], bool accumulate, cudaStream_t stream) {
-  auto kernel = dual_gemm_sm90_kernel<T, TA, TB>;
+  auto kernel = dual_gemm_sm90_kernel<T, TA, TB, kTmaOut>;
+  constexpr int kSmem = kSmemBytes<kTmaOut>;
   const int dev = cuda::current_device();
   cuda::cached_fact(std::make_tuple(dev, reinterpret_cast<const void*>(kernel), 0), [&] {
-    MMFUSE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    MMFUSE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     return 0;
   });
   cudaLaunchConfig_t cfg{};
@@ -430,7 +539,7 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, cudaStream_t stream) {
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
@@ -445,7 +554,7 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, cudaStream_t stream) {
   });
   // schedule order: the costlier tiles (larger k) first, then the problem with more tiles
   Params prm{};
-  CUtensorMap maps[2][2];
+  CUtensorMap maps[2][3];  // a, w and out (kTmaOut) of each problem
   int order[2] = {0, 1};
   auto units = [](const Sm90Expert& x) {
     return x.m == 0 || x.n == 0 ? int64_t(0) : ((x.m + kCluster * kBM - 1) / (kCluster * kBM)) * ((x.n + kBN - 1) / kBN);
@@ -467,11 +576,35 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, cudaStream_t stream) {
     }
     maps[i][0] = operand_map(*x.a, TA ? 64 : kBM);
     maps[i][1] = operand_map(*x.w, TB ? kBN / kCluster : 64);
+    if (kTmaOut) maps[i][2] = operand_map(*x.out, 64);  // out [m, n]: boxes of 64 rows of 64
+    else std::memset(&maps[i][2], 0, sizeof(maps[i][2]));
   }
   prm.total_units = prm.p[0].units + prm.p[1].units;
   if (prm.total_units == 0) return;
   cfg.gridDim = dim3(kCluster * std::min(prm.total_units, max_clusters));
-  MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, maps[0][0], maps[0][1], maps[1][0], maps[1][1], prm));
+  MMFUSE_CUDA_CHECK(
+      cudaLaunchKernelEx(&cfg, kernel, maps[0][0], maps[0][1], maps[1][0], maps[1][1], maps[0][2], maps[1][2], prm));
+}
+
+// The TMA epilogue where every non-empty output is in the input dtype, contiguous with rows of a
+// multiple of 16 bytes (n % 8 == 0) at a 16-byte-aligned address (TMA's rules); else the register
+// epilogue. MMFUSE_DUAL_GEMM_EPILOGUE=registers forces the register epilogue (for tests and
+// measurements). H100 2026-12-05 19:25, persistent us, TMA / registers: tiny-small fwd 74.4 / 92.0,
+// dW 85.0 / 117.7; large fwd 522.5 / 597.0.
+bool tma_epilogue(const Sm90Expert (&ex)[2]) {
+  const char* env = std::getenv("MMFUSE_DUAL_GEMM_EPILOGUE");
+  const std::string v = env ? env : "";
+  MMFUSE_CHECK(v.empty() || v == "auto" || v == "registers",
+               "dual_gemm: MMFUSE_DUAL_GEMM_EPILOGUE: expected auto or registers, got '", v, "'");
+  if (v == "registers") return false;
+  for (const Sm90Expert& x : ex) {
+    if (x.m == 0 || x.n == 0) continue;
+    const TensorView& o = *x.out;
+    const bool ok = o.dtype == x.a->dtype && x.n % 8 == 0 && o.stride[1] == 1 && (x.m == 1 || o.stride[0] == x.n) &&
+                    reinterpret_cast<uintptr_t>(o.data) % 16 == 0;
+    if (!ok) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -483,7 +616,7 @@ bool sm90_dual_gemm_supported(int device) {
     MMFUSE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     if (major != 9 || minor != 0) return 0;
     cudaFuncAttributes attr{};  // the build must hold sm_90a code (else the kernel body is empty)
-    MMFUSE_CUDA_CHECK(cudaFuncGetAttributes(&attr, dual_gemm_sm90_kernel<__nv_bfloat16, false, true>));
+    MMFUSE_CUDA_CHECK(cudaFuncGetAttributes(&attr, dual_gemm_sm90_kernel<__nv_bfloat16, false, true, false>));
     return attr.binaryVersion == 90 ? 1 : 0;
   }) != 0;
 }
@@ -491,14 +624,22 @@ bool sm90_dual_gemm_supported(int device) {
 void sm90_dual_gemm(const Sm90Expert (&ex)[2], const DualGemmOptions& o, cudaStream_t stream) {
   const DType in = ex[0].a->dtype;
   const int layout = (o.trans_a ? 2 : 0) + (o.trans_b ? 1 : 0);
+  const bool tma_out = tma_epilogue(ex);
   auto go = [&](auto tag) {
     using T = decltype(tag);
-    switch (layout) {
-      case 0: return launch<T, false, false>(ex, o.accumulate, stream);
-      case 1: return launch<T, false, true>(ex, o.accumulate, stream);
-      case 2: return launch<T, true, false>(ex, o.accumulate, stream);
-      default: return launch<T, true, true>(ex, o.accumulate, stream);
-    }
+    auto with = [&](auto tma) {
+      constexpr bool kTma = decltype(tma)::value;
+      switch (layout) {
+        case 0: return launch<T, false, false, kTma>(ex, o.accumulate, stream);
+        case 1: return launch<T, false, true, kTma>(ex, o.accumulate, stream);
+        case 2: return launch<T, true, false, kTma>(ex, o.accumulate, stream);
+        default: return launch<T, true, true, kTma>(ex, o.accumulate, stream);
+      }
+    };
+    if (tma_out)
+      with(std::true_type{});
+    else
+      with(std::false_type{});
   };
   if (in == DType::kBFloat16)
     go(__nv_bfloat16{});

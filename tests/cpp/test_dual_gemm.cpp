@@ -177,20 +177,26 @@ TEST(DualGemmCuda, AllLayoutsAgainstFloat64) {
 
 // The persistent kernel itself, every layout: partial tiles in m, n and k, an empty expert, the
 // costlier problem second (the schedule reorders them), several tiles a CTA, fp32 outputs and
-// accumulation. Its operands need 16-byte row strides: the stored rows' lengths are multiples of 8,
-// and the remaining sizes are ragged where the layout allows it.
+// accumulation, both epilogues (TMA stores clipped at the output's edges; stores from registers).
+// Its operands need 16-byte row strides: the stored rows' lengths are multiples of 8, and the
+// remaining sizes are ragged where the layout allows it.
 TEST(DualGemmCuda, PersistentKernelAgainstFloat64) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";
   if (!detail::sm90_dual_gemm_supported(0)) GTEST_SKIP() << "not an sm_90 GPU, or no sm_90a code in this build";
   std::mt19937_64 rng(test_seed());
   const Expert aligned[][2] = {{{128, 256, 64}, {8, 8, 8}},          {{136, 264, 200}, {0, 24, 16}},
-                               {{8, 16, 2048}, {264, 264, 256}},    {{264, 520, 72}, {128, 136, 72}}};
+                               {{8, 16, 2048}, {264, 264, 256}},    {{264, 520, 72}, {128, 136, 72}},
+                               {{200, 328, 40}, {72, 8, 24}}};
   for (bool ta : {false, true})
     for (bool tb : {false, true})
       for (const auto& s : aligned) {
-        check_dual<bf16, bf16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
+        // 16-bit outputs with rows of 16-byte multiples: the TMA epilogue, and the register one forced
+        for (const char* epilogue : {"auto", "registers"}) {
+          ScopedEnv env("MMFUSE_DUAL_GEMM_EPILOGUE", epilogue);
+          check_dual<bf16, bf16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
+          check_dual<f16, f16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
+        }
         check_dual<bf16, float>(rng, s[0], s[1], ta, tb, true, Run::kPersistent);
-        check_dual<f16, f16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
         check_dual<f16, float>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
       }
   // more work than clusters (81 + 1 pairs of tiles): CTAs run several units, the second problem's in the tail
