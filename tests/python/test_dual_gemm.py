@@ -140,6 +140,12 @@ def test_bad_input(monkeypatch):
         monkeypatch.setenv("MMFUSE_DUAL_GEMM_PATH", "fastest")
         with pytest.raises(ValueError, match="MMFUSE_DUAL_GEMM_PATH: expected auto, cublaslt or persistent, got 'fastest'"):
             mmfuse.dual_gemm(a.cuda(), w.cuda(), a.cuda(), w.cuda())
+        if torch.cuda.get_device_capability() == (9, 0):  # the persistent kernel reads the epilogue knob
+            monkeypatch.setenv("MMFUSE_DUAL_GEMM_PATH", "persistent")
+            monkeypatch.setenv("MMFUSE_DUAL_GEMM_EPILOGUE", "smem")
+            a8, w8 = torch.randn(16, 8).bfloat16().cuda(), torch.randn(8, 8).bfloat16().cuda()
+            with pytest.raises(ValueError, match="MMFUSE_DUAL_GEMM_EPILOGUE: expected auto or registers, got 'smem'"):
+                mmfuse.dual_gemm(a8, w8, a8, w8)
 
 
 @needs_gpu
@@ -148,9 +154,13 @@ def test_bad_input(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shapes", [((1024, 2752, 2048), (128, 688, 2048)), ((264, 520, 72), (0, 24, 16)),
                                     ((8, 16, 1000), (136, 264, 200))])
-def test_persistent_kernel_against_float64(ta, tb, dtype, shapes, monkeypatch):
+@pytest.mark.parametrize("epilogue", ["auto", "registers"])
+def test_persistent_kernel_against_float64(ta, tb, dtype, shapes, epilogue, monkeypatch):
     """The sm_90a kernel forced (MMFUSE_DUAL_GEMM_PATH=persistent; on other GPUs the cuBLASLt path
-    runs): float64 bound, every output written (poisoned buffers), bitwise equal across runs."""
+    runs) with each epilogue (auto: TMA stores for these 16-bit outputs; fp32 accumulation always
+    from registers): float64 bound, every output written (poisoned buffers), bitwise equal across
+    runs."""
+    monkeypatch.setenv("MMFUSE_DUAL_GEMM_EPILOGUE", epilogue)
     g = torch.Generator().manual_seed(hash((ta, tb, str(dtype), shapes)) % 2 ** 31)
     (a0, w0), (a1, w1) = (_make(*s, ta, tb, dtype, g) for s in shapes)
     dev = [t.cuda() for t in (a0, w0, a1, w1)]
