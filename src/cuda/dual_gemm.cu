@@ -10,12 +10,11 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <tuple>
 
 #include "common/cuda_check.h"
+#include "common/env.h"
 #include "cuda/cublaslt.h"
 #include "cuda/dual_gemm_sm90.h"
 #include "mmfuse/dual_gemm.h"
@@ -134,11 +133,8 @@ bool sm90_can_take(const Sm90Expert (&ex)[2], int device) {
 // 0.86-0.96x elsewhere. So auto is cuBLASLt everywhere until the kernel wins somewhere.
 enum class Path { kLibrary, kPersistent };
 Path choose_path(const Sm90Expert (&ex)[2], int device) {
-  const char* env = std::getenv("MMFUSE_DUAL_GEMM_PATH");
-  const std::string forced = env ? env : "";
-  MMFUSE_CHECK(forced.empty() || forced == "auto" || forced == "cublaslt" || forced == "persistent",
-               "dual_gemm: MMFUSE_DUAL_GEMM_PATH: expected auto, cublaslt or persistent, got '", forced, "'");
-  if (forced == "persistent" && sm90_can_take(ex, device)) return Path::kPersistent;
+  const int forced = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_PATH", {"auto", "cublaslt", "persistent"});
+  if (forced == 2 && sm90_can_take(ex, device)) return Path::kPersistent;
   return Path::kLibrary;  // cublaslt, auto (the table above), or operands the kernel cannot take
 }
 

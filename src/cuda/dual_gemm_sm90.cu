@@ -37,12 +37,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <type_traits>
 
 #include "common/cuda_check.h"
+#include "common/env.h"
 #include "cuda/device_util.cuh"
 #include "cuda/dual_gemm_sm90.h"
 
@@ -592,11 +591,7 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, cudaStream_t stream) {
 // measurements). H100 2026-12-05 19:25, persistent us, TMA / registers: tiny-small fwd 74.4 / 92.0,
 // dW 85.0 / 117.7; large fwd 522.5 / 597.0.
 bool tma_epilogue(const Sm90Expert (&ex)[2]) {
-  const char* env = std::getenv("MMFUSE_DUAL_GEMM_EPILOGUE");
-  const std::string v = env ? env : "";
-  MMFUSE_CHECK(v.empty() || v == "auto" || v == "registers",
-               "dual_gemm: MMFUSE_DUAL_GEMM_EPILOGUE: expected auto or registers, got '", v, "'");
-  if (v == "registers") return false;
+  if (env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_EPILOGUE", {"auto", "registers"}) == 1) return false;
   for (const Sm90Expert& x : ex) {
     if (x.m == 0 || x.n == 0) continue;
     const TensorView& o = *x.out;

@@ -25,12 +25,11 @@
 
 #include <algorithm>
 #include <cooperative_groups.h>
-#include <cstdlib>
-#include <string>
 #include <cub/block/block_scan.cuh>
 
 #include "common/cuda_check.h"
 #include "common/dispatch.h"
+#include "common/env.h"
 #include "cuda/device_util.cuh"
 #include "cuda/numerics.cuh"
 #include "cuda/tma.cuh"
@@ -1200,11 +1199,7 @@ TileArgs tile_args(const TensorView& y, const TensorView& map, const TensorView&
 // order) or two (the count and rank kernels in plain stream order).
 enum class PlanMode { kAuto, kCooperative, kTwo };
 PlanMode plan_mode() {
-  const char* env = std::getenv("MMFUSE_MOE_PLAN");
-  const std::string v = env ? env : "";
-  MMFUSE_CHECK(v.empty() || v == "auto" || v == "cooperative" || v == "two",
-               "moe_plan: MMFUSE_MOE_PLAN: expected auto, cooperative or two, got '", v, "'");
-  return v == "cooperative" ? PlanMode::kCooperative : v == "two" ? PlanMode::kTwo : PlanMode::kAuto;
+  return PlanMode(env_choice("moe_plan", "MMFUSE_MOE_PLAN", {"auto", "cooperative", "two"}));
 }
 
 void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map, TensorView& counts, TensorView& d2s,
@@ -1379,11 +1374,7 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
 // kernel where it applies) or general (the block kernel).
 enum class BwdPath { kAuto, kTile, kGeneral };
 BwdPath bwd_path() {
-  const char* env = std::getenv("MMFUSE_MOE_BWD");
-  const std::string v = env ? env : "";
-  MMFUSE_CHECK(v.empty() || v == "auto" || v == "tile" || v == "general",
-               "moe_unpermute_backward: MMFUSE_MOE_BWD: expected auto, tile or general, got '", v, "'");
-  return v == "tile" ? BwdPath::kTile : v == "general" ? BwdPath::kGeneral : BwdPath::kAuto;
+  return BwdPath(env_choice("moe_unpermute_backward", "MMFUSE_MOE_BWD", {"auto", "tile", "general"}));
 }
 
 void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, const TensorView& map,

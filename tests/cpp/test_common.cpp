@@ -1,6 +1,7 @@
 // Host-only tests of the shared pieces: dtype conversions (exhaustive), views, errors.
 #include <cmath>
 
+#include "common/env.h"
 #include "test_util.h"
 
 namespace mmfuse {
@@ -62,6 +63,27 @@ TEST(Error, MessageNamesArgumentAndLocation) {
   } catch (const Error& e) {
     EXPECT_EQ(e.message(), "x: expected 1, got 2");
     EXPECT_NE(std::string(e.what()).find("test_common.cpp:"), std::string::npos);
+  }
+}
+
+TEST(EnvChoice, IndexOfTheValueAndAnErrorNamingTheChoices) {
+  const char* name = "MMFUSE_TEST_ENV_CHOICE";
+  unsetenv(name);
+  EXPECT_EQ(env_choice("op", name, {"auto", "a", "b"}), 0);  // unset: the first
+  {
+    test::ScopedEnv env(name, "");
+    EXPECT_EQ(env_choice("op", name, {"auto", "a", "b"}), 0);
+  }
+  {
+    test::ScopedEnv env(name, "b");
+    EXPECT_EQ(env_choice("op", name, {"auto", "a", "b"}), 2);
+  }
+  {
+    test::ScopedEnv env(name, "c");
+    test::expect_error([&] { env_choice("op", name, {"auto", "a", "b"}); },
+                       "op: MMFUSE_TEST_ENV_CHOICE: expected auto, a or b, got 'c'");
+    test::expect_error([&] { env_choice("op", name, {"auto", "registers"}); },
+                       "op: MMFUSE_TEST_ENV_CHOICE: expected auto or registers, got 'c'");
   }
 }
 
