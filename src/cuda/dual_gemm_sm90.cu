@@ -44,6 +44,7 @@
 #include "common/env.h"
 #include "cuda/device_util.cuh"
 #include "cuda/dual_gemm_sm90.h"
+#include "cuda/tma.cuh"
 
 namespace mmfuse {
 namespace detail {
@@ -139,15 +140,6 @@ __device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, 
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(map), "r"(c0),
                "r"(c1), "r"(src)
                : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// This thread's bulk stores have read their shared memory (kRead), or are complete.
-template <bool kRead>
-__device__ __forceinline__ void bulk_wait_all() {
-  if constexpr (kRead)
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-  else
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 // Barrier `id` (1, 2, ...: 0 is __syncthreads) of `count` threads.
 __device__ __forceinline__ void named_barrier(int id, int count) {
@@ -333,7 +325,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[128], unsigned c
   const int r = 16 * warp + 8 * (i % 2) + rr;  // matrix i of step j: rows 8 (i % 2), columns 8 (j + i / 2)
 #pragma unroll
   for (int part = 0; part < kParts; ++part) {
-    if (tid == 0) bulk_wait_all<true>();  // the buffer's previous stores have read it
+    if (tid == 0) cuda::bulk_wait_read<0>();  // the buffer's previous stores have read it
     named_barrier(1 + c, 128);
 #pragma unroll
     for (int j = part * 8 * kBoxes; j < (part + 1) * 8 * kBoxes; j += 2) {
@@ -346,7 +338,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[128], unsigned c
       const int jj = j + i / 2;
       stmatrix_x4(base + (jj / 8 % kBoxes) * kOutBoxBytes + r * 128 + (((jj % 8) ^ rr) << 4), v);
     }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes, visible to the TMA unit
+    cuda::fence_proxy_async();  // the writes, visible to the TMA unit
     named_barrier(1 + c, 128);
     if (tid == 0) {
 #pragma unroll
@@ -354,7 +346,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[128], unsigned c
         const int col = col0 + 64 * (part * kBoxes + b);
         if (col < n) tma_store(map, base + b * kOutBoxBytes, col, row0);
       }
-      bulk_commit();
+      cuda::bulk_commit();
     }
   }
 }
@@ -486,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         store_tile<T>(d, p, tc.m0 + 64 * c, tc.n0);
       }
     }
-    if (kTmaOut && threadIdx.x % 128 == 0) bulk_wait_all<false>();  // the last stores complete before exit
+    if (kTmaOut && threadIdx.x % 128 == 0) cuda::bulk_wait_all();  // the last stores complete before exit
   }
   cluster_sync();  // neither CTA exits while the other may still arrive on its barriers
 #endif  // MMFUSE_SM90A
