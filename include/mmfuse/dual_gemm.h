@@ -18,8 +18,10 @@
 // problems (TMA, wgmma; bf16 / fp16 with 16-byte-aligned operands and row strides). A shape
 // heuristic picks the path; the environment variable MMFUSE_DUAL_GEMM_PATH = cublaslt | persistent
 // forces one (for tests and measurements; persistent falls back to cuBLASLt where the kernel cannot
-// take the operands). Today the heuristic picks cuBLASLt everywhere: the persistent kernel is
-// correct but slower on every measured shape (docs/benchmarks.md).
+// take the operands); MMFUSE_DUAL_GEMM_SCHEDULE = tiles | stream-k forces the persistent kernel's
+// schedule (whole output tiles a cluster, or k split across clusters through fp32 partials in the
+// workspace, summed in a fixed order). Today the heuristic picks cuBLASLt everywhere: the persistent
+// kernel is correct but slower on every measured shape (docs/benchmarks.md; stream-K not yet measured).
 #pragma once
 
 #include "mmfuse/common.h"
@@ -32,7 +34,8 @@ struct DualGemmOptions {
   bool accumulate = false;
 };
 
-// Bytes of the CUDA workspace (any dtype, contiguous, on the inputs' device; ignored on the CPU).
+// Bytes of the CUDA workspace (any dtype, contiguous, on the inputs' device; ignored on the CPU). One
+// call's workspace must not be in use by another call running at the same time.
 MMFUSE_API int64_t dual_gemm_workspace_bytes();
 
 // Every check dual_gemm makes on its arguments (throws mmfuse::Error naming the argument), none of the

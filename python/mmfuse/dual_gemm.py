@@ -3,8 +3,11 @@
 Differentiable in all four inputs. CPU, and CUDA through cuBLASLt (one matmul an expert on the current
 stream, descriptors and algorithms cached per problem, no host sync). A persistent sm_90a kernel over
 both problems' tiles (TMA, wgmma) also exists; it is exact, but at best equal to cuBLASLt (the
-small-expert shapes' forward and dW) and slower elsewhere, so the path heuristic does not pick it. ``MMFUSE_DUAL_GEMM_PATH=cublaslt`` or
-``=persistent`` in the environment forces a path (read at each call; for tests and measurements).
+small-expert shapes' forward and dW) and slower elsewhere, so the path heuristic does not pick it.
+``MMFUSE_DUAL_GEMM_PATH=cublaslt`` or ``=persistent`` in the environment forces a path, and
+``MMFUSE_DUAL_GEMM_SCHEDULE=tiles`` or ``=stream-k`` the persistent kernel's schedule (whole output
+tiles a cluster, or k split across clusters and summed in a fixed order; not yet measured on a GPU);
+both are read at each call, for tests and measurements.
 """
 
 from typing import Optional, Tuple

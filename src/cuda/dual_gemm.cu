@@ -146,7 +146,7 @@ void dual_gemm_cuda(const TensorView& a0, const TensorView& w0, TensorView& out0
   auto k_of = [&](const TensorView& a) { return o.trans_a ? a.shape[0] : a.shape[1]; };
   const Sm90Expert ex[2] = {{&a0, &w0, &out0, out0.shape[0], out0.shape[1], k_of(a0)},
                             {&a1, &w1, &out1, out1.shape[0], out1.shape[1], k_of(a1)}};
-  if (choose_path(ex, out0.device.index) == Path::kPersistent) return sm90_dual_gemm(ex, o, stream);
+  if (choose_path(ex, out0.device.index) == Path::kPersistent) return sm90_dual_gemm(ex, o, ws, stream);
   const size_t ws_bytes = size_t(ws.shape[0]) * dtype_size(ws.dtype);
   // the bigger product first: the small one's kernels start as the big one's last wave drains
   const double f0 = double(ex[0].m) * double(ex[0].n) * double(ex[0].k);

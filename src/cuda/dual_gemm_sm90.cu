@@ -1,9 +1,12 @@
 // CUDA backend of the dual-expert GEMM, second path: one persistent sm_90a kernel over the output
 // tiles of both problems (issue 5). The work unit is a pair of vertically adjacent 128 x 256 tiles,
 // computed by a cluster of two CTAs (one an SM) that share the pair's B tile: each CTA copies half
-// of it into both CTAs' shared memory (TMA multicast). Each cluster walks a static share of the unit
-// list, in which the problem with the costlier units (larger k; then more units) comes first, so
-// that the other problem's units fill the first one's last partial wave instead of running after it.
+// of it into both CTAs' shared memory (TMA multicast). The unit list puts the problem with the
+// costlier units (larger k; then more units) first, so that the other problem's units fill the first
+// one's last partial wave instead of running after it. Two static schedules over it
+// (dual_gemm_sm90_schedule.h): whole units round robin ("tiles"), or an equal share of all k-blocks
+// a cluster ("stream-K"), where a unit cut between clusters is summed in a fixed order through fp32
+// partials in the caller's workspace and flags tagged with the launch (no zeroing needed).
 //
 // A CTA is three warpgroups: warpgroup 0 is the producer (one thread issues the TMA bulk tensor
 // copies of A and B into a ring of kStages shared-memory stages, each completing on its stage's
@@ -29,7 +32,8 @@
 // Measured (docs/benchmarks.md): with the register epilogue only, 0.3-0.9x of the cuBLASLt path (H200,
 // 2026-12-04 21:10-21:21; those stores cost 18-37 % of its time); with the TMA epilogue 1.00x on the
 // tiny-small forward and dW and 0.63-0.96x elsewhere (H100, 2026-12-05 19:25), so the heuristic does
-// not pick it yet. It has no split of k: problems with fewer output tiles than clusters idle SMs.
+// not pick it yet. Those runs had the tiles schedule only; stream-K (2026-12-05, for problems with
+// fewer units than clusters and for the last partial wave) has not yet run on a GPU.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime)
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -44,6 +48,7 @@
 #include "common/env.h"
 #include "cuda/device_util.cuh"
 #include "cuda/dual_gemm_sm90.h"
+#include "cuda/dual_gemm_sm90_schedule.h"
 #include "cuda/tma.cuh"
 
 namespace mmfuse {
@@ -67,14 +72,16 @@ enum OutKind : int { kOutInput = 0, kOutFloat = 1, kOutFloatAccumulate = 2 };
 // The work unit is a pair of vertically adjacent tiles (rows 256 u .. 256 u + 255, 256 columns),
 // one for each CTA of a cluster of two.
 struct Problem {
-  int m, n, k, pairs_m, units;  // units = pairs_m * tiles along n
+  int m, n, pairs_m;  // pairs_m: units along m
   int out_kind;
   void* out;
 };
 
 struct Params {
   Problem p[2];  // in schedule order: p[0]'s units first
-  int total_units;
+  Schedule s;
+  float* partial;             // stream-K: kPartialFloats a workspace slot
+  unsigned long long* flags;  // stream-K: a flag a slot, this launch's token once the slot's partial is written
 };
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -356,10 +363,67 @@ struct TileCoord {
 };
 // This CTA's tile of unit u (rank 1 of a pair past the last row reads zeros and stores nothing).
 __device__ __forceinline__ TileCoord tile_coord(const Params& prm, int u, uint32_t rank) {
-  const int e = u >= prm.p[0].units;
-  const int local = e ? u - prm.p[0].units : u;
+  const int e = u >= prm.s.units[0];
+  const int local = e ? u - prm.s.units[0] : u;
   const Problem& p = prm.p[e];
   return {e, (kCluster * (local % p.pairs_m) + int(rank)) * kBM, (local / p.pairs_m) * kBN};
+}
+
+// The workspace slot of consumer warpgroup c of CTA `rank` of cluster g.
+static_assert(kSlotsPerCluster == kCluster * 2, "a slot a consumer warpgroup of each CTA of a cluster");
+__device__ __forceinline__ int partial_slot(int g, uint32_t rank, int c) { return (g * kCluster + int(rank)) * 2 + c; }
+
+// This launch's flag value (never 0, the cleared value): derived from the grid's launch number, so
+// that a stale value from an earlier launch never matches; the gathering cluster also clears the
+// flags it consumed (a replayed CUDA graph may reuse the workspace).
+__device__ __forceinline__ unsigned long long launch_token() {
+  unsigned long long id;
+  asm volatile("mov.u64 %0, %%gridid;" : "=l"(id));
+  const unsigned long long t = id ^ 0x9E3779B97F4A7C15ull;
+  return t ? t : 1;
+}
+
+// Consumer warpgroup c: its fp32 accumulators to workspace slot `slot`, then the slot's flag raised
+// (the warpgroup's stores ordered before it: a barrier, then one thread's gpu-scope fence and store).
+__device__ __forceinline__ void spill_partial(const float (&d)[128], const Params& prm, int slot, int c,
+                                              unsigned long long token) {
+  const int tid = threadIdx.x % 128;
+  float4* dst = reinterpret_cast<float4*>(prm.partial + size_t(slot) * kPartialFloats) + tid;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) __stcg(dst + 128 * i, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
+  named_barrier(1 + c, 128);
+  if (tid == 0) {
+    __threadfence();
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(prm.flags + slot), "l"(token) : "memory");
+  }
+}
+
+// Consumer warpgroup c of cluster g, CTA `rank`: adds the partials of its unit's later segments
+// (clusters g + 1 .. gather_last - 1), in k order, each once its flag is up; clears each flag.
+__device__ __forceinline__ void gather_partials(float (&d)[128], const Params& prm, int g, uint32_t rank, int c,
+                                                long long unit_end, unsigned long long token) {
+  const int tid = threadIdx.x % 128;
+  const int last = gather_last(prm.s, g, unit_end);
+  for (int h = g + 1; h < last; ++h) {
+    const int slot = partial_slot(h, rank, c);
+    if (tid == 0) {
+      unsigned long long f;
+      do {
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(f) : "l"(prm.flags + slot) : "memory");
+      } while (f != token);
+      asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(prm.flags + slot), "l"(0ull) : "memory");
+    }
+    named_barrier(1 + c, 128);
+    const float4* src = reinterpret_cast<const float4*>(prm.partial + size_t(slot) * kPartialFloats) + tid;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const float4 v = __ldcg(src + 128 * i);
+      d[4 * i] += v.x;
+      d[4 * i + 1] += v.y;
+      d[4 * i + 2] += v.z;
+      d[4 * i + 3] += v.w;
+    }
+  }
 }
 #endif  // MMFUSE_SM90A
 
@@ -380,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty = full + kStages;
   const int wg = threadIdx.x / 128;
   const uint32_t rank = cluster_rank();
-  const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
+  const int cluster = blockIdx.x / kCluster;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);    // the producer's expect_tx arrival (plus the TMA bytes of both CTAs)
@@ -395,12 +459,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       int stage = 0;
       uint32_t phase = 0;
-      for (int u = cluster; u < prm.total_units; u += clusters) {
-        const TileCoord tc = tile_coord(prm, u, rank);
+      Walk w = walk_start(prm.s, cluster);
+      Segment seg;
+      while (next_segment(prm.s, w, seg)) {
+        const TileCoord tc = tile_coord(prm, seg.u, rank);
         const CUtensorMap* ma = tc.e ? &ma1 : &ma0;
         const CUtensorMap* mw = tc.e ? &mw1 : &mw0;
-        const int kb_count = (prm.p[tc.e].k + kBK - 1) / kBK;
-        for (int kb = 0; kb < kb_count; ++kb) {
+        for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb) {
           mbar_wait(&empty[stage], phase ^ 1);
           unsigned char* sa = smem + stage * kStageBytes;
           unsigned char* sb = sa + kABytes;
@@ -439,11 +504,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto release = [&](int s) {
       for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty[s], r);
     };
-    for (int u = cluster; u < prm.total_units; u += clusters) {
-      const TileCoord tc = tile_coord(prm, u, rank);
-      const int kb_count = (prm.p[tc.e].k + kBK - 1) / kBK;
+    const unsigned long long token = prm.s.stream_k ? launch_token() : 0;
+    Walk w = walk_start(prm.s, cluster);
+    Segment seg;
+    while (next_segment(prm.s, w, seg)) {
+      const TileCoord tc = tile_coord(prm, seg.u, rank);
       int prev = -1;
-      for (int kb = 0; kb < kb_count; ++kb) {
+      for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb) {
         mbar_wait(&full[stage], phase);
         const uint32_t sa = smem_u32(smem + stage * kStageBytes) + c * (kABytes / 2);
         const uint32_t sb = smem_u32(smem + stage * kStageBytes + kABytes);
@@ -455,7 +522,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // 64-element atoms of 128-byte rows (one row a k), atoms kBox apart, k16 steps 2048 bytes.
           const uint64_t da = TA ? smem_desc(sa + kk * 2048, kBox, 1024) : smem_desc(sa + kk * 32, 16, 1024);
           const uint64_t db = TB ? smem_desc(sb + kk * 32, 16, 1024) : smem_desc(sb + kk * 2048, kBox, 1024);
-          wgmma_n256<T, TA, TB>(d, da, db, (kb > 0 || kk > 0) ? 1 : 0);
+          wgmma_n256<T, TA, TB>(d, da, db, (kb > seg.kb_begin || kk > 0) ? 1 : 0);
         }
         wgmma_commit();
         wgmma_wait<1>();  // the previous stage's wgmma are done: release it
@@ -471,8 +538,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_acc(d);
       if (prev >= 0 && threadIdx.x % 32 == 0) release(prev);
       const Problem& p = prm.p[tc.e];
+      const bool rows = tc.m0 + 64 * c < p.m;  // the warpgroup's block holds output rows
+      if (seg.spill) {
+        if (rows) spill_partial(d, prm, partial_slot(cluster, rank, c), c, token);
+        continue;
+      }
+      if (seg.gather && rows) gather_partials(d, prm, cluster, rank, c, seg.unit_end, token);
       if constexpr (kTmaOut) {
-        if (tc.m0 + 64 * c < p.m)
+        if (rows)
           store_tile_tma<T>(d, out_buf + c * kOutBytes, tc.e ? &mo1 : &mo0, p.n, tc.m0 + 64 * c, tc.n0, c);
       } else {
         store_tile<T>(d, p, tc.m0 + 64 * c, tc.n0);
@@ -515,7 +588,7 @@ CUtensorMap operand_map(const TensorView& v, int box_rows) {
 }
 
 template <class T, bool TA, bool TB, bool kTmaOut>
-void launch(const Sm90Expert (&ex)[2], bool accumulate, cudaStream_t stream) {
+void launch(const Sm90Expert (&ex)[2], bool accumulate, const TensorView& ws, cudaStream_t stream) {
   auto kernel = dual_gemm_sm90_kernel<T, TA, TB, kTmaOut>;
   constexpr int kSmem = kSmemBytes<kTmaOut>;
   const int dev = cuda::current_device();
@@ -546,6 +619,7 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, cudaStream_t stream) {
   // schedule order: the costlier tiles (larger k) first, then the problem with more tiles
   Params prm{};
   CUtensorMap maps[2][3];  // a, w and out (kTmaOut) of each problem
+  int unit_count[2], kblocks[2];
   int order[2] = {0, 1};
   auto units = [](const Sm90Expert& x) {
     return x.m == 0 || x.n == 0 ? int64_t(0) : ((x.m + kCluster * kBM - 1) / (kCluster * kBM)) * ((x.n + kBN - 1) / kBN);
@@ -556,12 +630,12 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, cudaStream_t stream) {
     Problem& p = prm.p[i];
     p.m = int(x.m);
     p.n = int(x.n);
-    p.k = int(x.k);
     p.pairs_m = int((x.m + kCluster * kBM - 1) / (kCluster * kBM));
-    p.units = int(units(x));
+    unit_count[i] = int(units(x));
+    kblocks[i] = int((x.k + kBK - 1) / kBK);
     p.out = x.out->data;
     p.out_kind = x.out->dtype != DType::kFloat32 ? kOutInput : accumulate ? kOutFloatAccumulate : kOutFloat;
-    if (p.units == 0) {  // no tiles: its maps are never read, but must be valid parameters
+    if (unit_count[i] == 0) {  // no tiles: its maps are never read, but must be valid parameters
       std::memset(&maps[i], 0, sizeof(maps[i]));
       continue;
     }
@@ -570,9 +644,15 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, cudaStream_t stream) {
     if (kTmaOut) maps[i][2] = operand_map(*x.out, 64);  // out [m, n]: boxes of 64 rows of 64
     else std::memset(&maps[i][2], 0, sizeof(maps[i][2]));
   }
-  prm.total_units = prm.p[0].units + prm.p[1].units;
-  if (prm.total_units == 0) return;
-  cfg.gridDim = dim3(kCluster * std::min(prm.total_units, max_clusters));
+  if (unit_count[0] + unit_count[1] == 0) return;
+  const int mode = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_SCHEDULE", {"auto", "tiles", "stream-k"});
+  const bool ws_ok = ws.defined() && reinterpret_cast<uintptr_t>(ws.data) % 256 == 0;
+  prm.s = make_schedule(unit_count, kblocks, max_clusters, mode, ws_ok ? size_t(ws.shape[0]) * dtype_size(ws.dtype) : 0);
+  if (prm.s.stream_k) {
+    prm.flags = static_cast<unsigned long long*>(ws.data);
+    prm.partial = reinterpret_cast<float*>(static_cast<unsigned char*>(ws.data) + schedule_flag_bytes(prm.s.clusters));
+  }
+  cfg.gridDim = dim3(kCluster * prm.s.clusters);
   MMFUSE_CUDA_CHECK(
       cudaLaunchKernelEx(&cfg, kernel, maps[0][0], maps[0][1], maps[1][0], maps[1][1], maps[0][2], maps[1][2], prm));
 }
@@ -608,7 +688,7 @@ bool sm90_dual_gemm_supported(int device) {
   }) != 0;
 }
 
-void sm90_dual_gemm(const Sm90Expert (&ex)[2], const DualGemmOptions& o, cudaStream_t stream) {
+void sm90_dual_gemm(const Sm90Expert (&ex)[2], const DualGemmOptions& o, const TensorView& ws, cudaStream_t stream) {
   const DType in = ex[0].a->dtype;
   const int layout = (o.trans_a ? 2 : 0) + (o.trans_b ? 1 : 0);
   const bool tma_out = tma_epilogue(ex);
@@ -617,10 +697,10 @@ void sm90_dual_gemm(const Sm90Expert (&ex)[2], const DualGemmOptions& o, cudaStr
     auto with = [&](auto tma) {
       constexpr bool kTma = decltype(tma)::value;
       switch (layout) {
-        case 0: return launch<T, false, false, kTma>(ex, o.accumulate, stream);
-        case 1: return launch<T, false, true, kTma>(ex, o.accumulate, stream);
-        case 2: return launch<T, true, false, kTma>(ex, o.accumulate, stream);
-        default: return launch<T, true, true, kTma>(ex, o.accumulate, stream);
+        case 0: return launch<T, false, false, kTma>(ex, o.accumulate, ws, stream);
+        case 1: return launch<T, false, true, kTma>(ex, o.accumulate, ws, stream);
+        case 2: return launch<T, true, false, kTma>(ex, o.accumulate, ws, stream);
+        default: return launch<T, true, true, kTma>(ex, o.accumulate, ws, stream);
       }
     };
     if (tma_out)

@@ -20,8 +20,11 @@ struct Sm90Expert {
 bool sm90_dual_gemm_supported(int device);
 
 // Both products in one launch. Needs bf16 or fp16 operands, 16-byte-aligned with row strides a
-// multiple of 16 bytes, k >= 1 for every non-empty expert, and sizes below 2^31.
-void sm90_dual_gemm(const Sm90Expert (&experts)[2], const DualGemmOptions& options, cudaStream_t stream);
+// multiple of 16 bytes, k >= 1 for every non-empty expert, and sizes below 2^31. The workspace
+// (dual_gemm_workspace_bytes(), 256-byte aligned) holds the split-k partials of the stream-K
+// schedule; with a smaller or undefined one the kernel runs whole tiles.
+void sm90_dual_gemm(const Sm90Expert (&experts)[2], const DualGemmOptions& options, const TensorView& workspace,
+                    cudaStream_t stream);
 
 }  // namespace detail
 }  // namespace mmfuse

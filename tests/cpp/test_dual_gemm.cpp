@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "cuda/dual_gemm_sm90_schedule.h"
 #include "mmfuse/dual_gemm.h"
 #include "test_util.h"
 #ifdef MMFUSE_WITH_CUDA
@@ -57,7 +59,7 @@ void run_dual(TensorView (&av)[2], TensorView (&wv)[2], TensorView (&ov)[2], std
     auto k_of = [&](const TensorView& x) { return opt.trans_a ? x.shape[0] : x.shape[1]; };
     const detail::Sm90Expert ex[2] = {{&ca[0], &cw[0], &co[0], co[0].shape[0], co[0].shape[1], k_of(ca[0])},
                                       {&ca[1], &cw[1], &co[1], co[1].shape[0], co[1].shape[1], k_of(ca[1])}};
-    detail::sm90_dual_gemm(ex, opt, s);
+    detail::sm90_dual_gemm(ex, opt, cws, s);
   } else {
     dual_gemm(ca[0], cw[0], co[0], ca[1], cw[1], co[1], opt, cws, s);
   }
@@ -158,6 +160,102 @@ TEST(DualGemmCpu, BadInputNamesTheProblem) {
                "w0: expected a tensor on cuda:0 (that of a0), got cpu");
 }
 
+// The persistent kernel's schedules (plain host code, checked without a GPU): every k-block of every
+// unit runs exactly once; under stream-K each cluster's share is at most ceil(iters / G) k-blocks,
+// only a share's first segment spills and only its last gathers, and each gathering segment's
+// clusters (g + 1 .. gather_last - 1) are exactly the unit's spilling ones, in k order, with the
+// k-blocks after the gathering segment's.
+TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
+  using namespace mmfuse::detail;
+  std::mt19937_64 rng(test_seed());
+  const size_t plenty = size_t(1) << 40;
+  for (int trial = 0; trial < 400; ++trial) {
+    auto pick = [&](int lo, int hi) { return lo + int(rng() % uint64_t(hi - lo + 1)); };
+    const int units[2] = {pick(0, 150), pick(0, 40)}, kblocks[2] = {pick(1, 180), pick(1, 180)};
+    const int max_clusters = std::vector<int>{1, 2, 7, 66, 132}[trial % 5];
+    if (units[0] + units[1] == 0) continue;
+    for (int mode : {kScheduleTiles, kScheduleStreamK}) {
+      const Schedule s = make_schedule(units, kblocks, max_clusters, mode, plenty);
+      const std::string where = "units " + std::to_string(units[0]) + "/" + std::to_string(units[1]) + " kblocks " +
+                                std::to_string(kblocks[0]) + "/" + std::to_string(kblocks[1]) + " clusters " +
+                                std::to_string(max_clusters) + " mode " + std::to_string(mode);
+      ASSERT_EQ(s.stream_k, mode == kScheduleStreamK ? 1 : 0) << where;
+      ASSERT_GE(s.clusters, 1) << where;
+      ASSERT_LE(s.clusters, max_clusters) << where;
+      ASSERT_EQ(s.iters, (long long)units[0] * kblocks[0] + (long long)units[1] * kblocks[1]) << where;
+      if (s.stream_k) ASSERT_LE(s.clusters, s.iters) << where;
+      std::vector<std::vector<int>> runs(size_t(s.total_units));
+      for (int u = 0; u < s.total_units; ++u) runs[size_t(u)].assign(size_t(s.kblocks[u >= units[0]]), 0);
+      std::vector<std::vector<Segment>> segs(size_t(s.clusters));
+      for (int g = 0; g < s.clusters; ++g) {
+        Walk w = walk_start(s, g);
+        Segment seg;
+        long long work = 0;
+        while (next_segment(s, w, seg)) {
+          ASSERT_LT(seg.kb_begin, seg.kb_end) << where;
+          for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb) ++runs.at(size_t(seg.u)).at(size_t(kb));
+          work += seg.kb_end - seg.kb_begin;
+          segs[size_t(g)].push_back(seg);
+        }
+        if (s.stream_k) ASSERT_LE(work, (s.iters + s.clusters - 1) / s.clusters) << where << " cluster " << g;
+      }
+      for (const auto& r : runs)
+        for (int n : r) ASSERT_EQ(n, 1) << where;
+      std::map<int, int> spills;  // cluster -> unit it spills
+      for (int g = 0; g < s.clusters; ++g)
+        for (size_t i = 0; i < segs[size_t(g)].size(); ++i) {
+          const Segment& seg = segs[size_t(g)][i];
+          const int kbs = s.kblocks[seg.u >= units[0]];
+          ASSERT_EQ(seg.spill, s.stream_k && seg.kb_begin > 0) << where;
+          ASSERT_EQ(seg.gather, s.stream_k && seg.kb_begin == 0 && seg.kb_end < kbs) << where;
+          if (seg.spill) {
+            ASSERT_EQ(i, 0u) << where;
+            spills[g] = seg.u;
+          }
+          if (seg.gather) ASSERT_EQ(i + 1, segs[size_t(g)].size()) << where;
+        }
+      size_t gathered = 0;
+      for (int g = 0; g < s.clusters; ++g)
+        for (const Segment& seg : segs[size_t(g)]) {
+          if (!seg.gather) continue;
+          int next_kb = seg.kb_end;
+          const int last = gather_last(s, g, seg.unit_end);
+          for (int h = g + 1; h < last; ++h) {
+            ASSERT_TRUE(spills.count(h) && spills[h] == seg.u) << where << " cluster " << h;
+            const Segment& part = segs[size_t(h)].front();
+            ASSERT_EQ(part.kb_begin, next_kb) << where;
+            next_kb = part.kb_end;
+            ++gathered;
+          }
+          ASSERT_EQ(next_kb, s.kblocks[seg.u >= units[0]]) << where;
+        }
+      ASSERT_EQ(gathered, spills.size()) << where;
+    }
+  }
+}
+
+// Which schedule auto takes, and the workspace it needs.
+TEST(DualGemmSchedule, AutoAndWorkspace) {
+  using namespace mmfuse::detail;
+  const size_t ws = size_t(dual_gemm_workspace_bytes());
+  ASSERT_LE(schedule_workspace_bytes(66), ws);  // H100 / H200: 132 SMs, 66 clusters of two
+  // tiny-small dX on 66 clusters: 32 units of 172 k-blocks and 8 of 43 leave 26 clusters idle
+  const Schedule dx = make_schedule({32, 8}, {172, 43}, 66, kScheduleAuto, ws);
+  EXPECT_EQ(dx.stream_k, 1);
+  EXPECT_EQ(dx.clusters, 66);
+  // three whole waves of equal units: nothing to gain from a split
+  const Schedule even = make_schedule({198, 0}, {32, 1}, 66, kScheduleAuto, ws);
+  EXPECT_EQ(even.stream_k, 0);
+  EXPECT_EQ(even.clusters, 66);
+  // too small a workspace: whole tiles, even when stream-K is asked for
+  const Schedule small = make_schedule({32, 8}, {172, 43}, 66, kScheduleStreamK, schedule_workspace_bytes(66) - 1);
+  EXPECT_EQ(small.stream_k, 0);
+  EXPECT_EQ(small.clusters, 40);
+  // fewer k-blocks than clusters: one k-block a cluster
+  const Schedule tiny = make_schedule({1, 2}, {3, 1}, 66, kScheduleStreamK, ws);
+  EXPECT_EQ(tiny.clusters, 5);
+}
+
 #ifdef MMFUSE_WITH_CUDA
 TEST(DualGemmCuda, AllLayoutsAgainstFloat64) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";
@@ -175,8 +273,9 @@ TEST(DualGemmCuda, AllLayoutsAgainstFloat64) {
       }
 }
 
-// The persistent kernel itself, every layout: partial tiles in m, n and k, an empty expert, the
-// costlier problem second (the schedule reorders them), several tiles a CTA, fp32 outputs and
+// The persistent kernel itself, every layout, under each schedule (whole tiles; stream-K, whose
+// shares here split a unit across up to 64 clusters): partial tiles in m, n and k, an empty expert,
+// the costlier problem second (the schedule reorders them), several tiles a CTA, fp32 outputs and
 // accumulation, both epilogues (TMA stores clipped at the output's edges; stores from registers).
 // Its operands need 16-byte row strides: the stored rows' lengths are multiples of 8, and the
 // remaining sizes are ragged where the layout allows it.
@@ -186,32 +285,36 @@ TEST(DualGemmCuda, PersistentKernelAgainstFloat64) {
   std::mt19937_64 rng(test_seed());
   const Expert aligned[][2] = {{{128, 256, 64}, {8, 8, 8}},          {{136, 264, 200}, {0, 24, 16}},
                                {{8, 16, 2048}, {264, 264, 256}},    {{264, 520, 72}, {128, 136, 72}},
-                               {{200, 328, 40}, {72, 8, 24}}};
-  for (bool ta : {false, true})
-    for (bool tb : {false, true})
-      for (const auto& s : aligned) {
-        // 16-bit outputs with rows of 16-byte multiples: the TMA epilogue, and the register one forced
-        for (const char* epilogue : {"auto", "registers"}) {
-          ScopedEnv env("MMFUSE_DUAL_GEMM_EPILOGUE", epilogue);
-          check_dual<bf16, bf16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
-          check_dual<f16, f16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
+                               {{200, 328, 40}, {72, 8, 24}},       {{136, 24, 4096}, {8, 8, 8}}};
+  for (const char* schedule : {"tiles", "stream-k"}) {
+    ScopedEnv sched("MMFUSE_DUAL_GEMM_SCHEDULE", schedule);
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (const auto& s : aligned) {
+          // 16-bit outputs with rows of 16-byte multiples: the TMA epilogue, and the register one forced
+          for (const char* epilogue : {"auto", "registers"}) {
+            ScopedEnv env("MMFUSE_DUAL_GEMM_EPILOGUE", epilogue);
+            check_dual<bf16, bf16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
+            check_dual<f16, f16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
+          }
+          check_dual<bf16, float>(rng, s[0], s[1], ta, tb, true, Run::kPersistent);
+          check_dual<f16, float>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
         }
-        check_dual<bf16, float>(rng, s[0], s[1], ta, tb, true, Run::kPersistent);
-        check_dual<f16, float>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
-      }
-  // more work than clusters (81 + 1 pairs of tiles): CTAs run several units, the second problem's in the tail
-  for (bool ta : {false, true})
-    for (bool tb : {false, true}) check_dual<bf16, bf16>(rng, {2176, 2304, 16}, {8, 8, 32}, ta, tb, false, Run::kPersistent);
-  // ragged m and n (a [m, k], w [n, k]: only k is a stored row length) and ragged k (a [k, m], w [k, n])
-  const Expert ragged_mn[][2] = {{{7, 33, 64}, {1, 300, 24}}, {{131, 257, 136}, {65, 1, 8}}};
-  const Expert ragged_k[][2] = {{{64, 72, 19}, {8, 256, 1}}, {{136, 264, 201}, {128, 8, 65}}};
-  for (const auto& s : ragged_mn) {
-    check_dual<bf16, bf16>(rng, s[0], s[1], false, true, false, Run::kPersistent);
-    check_dual<bf16, float>(rng, s[0], s[1], false, true, true, Run::kPersistent);
-  }
-  for (const auto& s : ragged_k) {
-    check_dual<bf16, bf16>(rng, s[0], s[1], true, false, false, Run::kPersistent);
-    check_dual<f16, float>(rng, s[0], s[1], true, false, true, Run::kPersistent);
+    // more work than clusters (81 + 1 pairs of tiles): CTAs run several units, the second problem's in the tail
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        check_dual<bf16, bf16>(rng, {2176, 2304, 16}, {8, 8, 32}, ta, tb, false, Run::kPersistent);
+    // ragged m and n (a [m, k], w [n, k]: only k is a stored row length) and ragged k (a [k, m], w [k, n])
+    const Expert ragged_mn[][2] = {{{7, 33, 64}, {1, 300, 24}}, {{131, 257, 136}, {65, 1, 8}}};
+    const Expert ragged_k[][2] = {{{64, 72, 19}, {8, 256, 1}}, {{136, 264, 201}, {128, 8, 65}}};
+    for (const auto& s : ragged_mn) {
+      check_dual<bf16, bf16>(rng, s[0], s[1], false, true, false, Run::kPersistent);
+      check_dual<bf16, float>(rng, s[0], s[1], false, true, true, Run::kPersistent);
+    }
+    for (const auto& s : ragged_k) {
+      check_dual<bf16, bf16>(rng, s[0], s[1], true, false, false, Run::kPersistent);
+      check_dual<f16, float>(rng, s[0], s[1], true, false, true, Run::kPersistent);
+    }
   }
 }
 #endif

@@ -146,6 +146,10 @@ def test_bad_input(monkeypatch):
             a8, w8 = torch.randn(16, 8).bfloat16().cuda(), torch.randn(8, 8).bfloat16().cuda()
             with pytest.raises(ValueError, match="MMFUSE_DUAL_GEMM_EPILOGUE: expected auto or registers, got 'smem'"):
                 mmfuse.dual_gemm(a8, w8, a8, w8)
+            monkeypatch.setenv("MMFUSE_DUAL_GEMM_EPILOGUE", "auto")
+            monkeypatch.setenv("MMFUSE_DUAL_GEMM_SCHEDULE", "split")
+            with pytest.raises(ValueError, match="MMFUSE_DUAL_GEMM_SCHEDULE: expected auto, tiles or stream-k, got 'split'"):
+                mmfuse.dual_gemm(a8, w8, a8, w8)
 
 
 @needs_gpu
@@ -155,12 +159,14 @@ def test_bad_input(monkeypatch):
 @pytest.mark.parametrize("shapes", [((1024, 2752, 2048), (128, 688, 2048)), ((264, 520, 72), (0, 24, 16)),
                                     ((8, 16, 1000), (136, 264, 200))])
 @pytest.mark.parametrize("epilogue", ["auto", "registers"])
-def test_persistent_kernel_against_float64(ta, tb, dtype, shapes, epilogue, monkeypatch):
+@pytest.mark.parametrize("schedule", ["tiles", "stream-k"])
+def test_persistent_kernel_against_float64(ta, tb, dtype, shapes, epilogue, schedule, monkeypatch):
     """The sm_90a kernel forced (MMFUSE_DUAL_GEMM_PATH=persistent; on other GPUs the cuBLASLt path
     runs) with each epilogue (auto: TMA stores for these 16-bit outputs; fp32 accumulation always
-    from registers): float64 bound, every output written (poisoned buffers), bitwise equal across
-    runs."""
+    from registers) and each schedule (whole tiles; stream-K, k split across clusters): float64
+    bound, every output written (poisoned buffers), bitwise equal across runs."""
     monkeypatch.setenv("MMFUSE_DUAL_GEMM_EPILOGUE", epilogue)
+    monkeypatch.setenv("MMFUSE_DUAL_GEMM_SCHEDULE", schedule)
     g = torch.Generator().manual_seed(hash((ta, tb, str(dtype), shapes)) % 2 ** 31)
     (a0, w0), (a1, w1) = (_make(*s, ta, tb, dtype, g) for s in shapes)
     dev = [t.cuda() for t in (a0, w0, a1, w1)]
@@ -181,9 +187,13 @@ def test_persistent_kernel_against_float64(ta, tb, dtype, shapes, epilogue, monk
 
 
 @needs_gpu
-@pytest.mark.parametrize("path", ["cublaslt", "persistent"])
+@pytest.mark.parametrize("path", ["cublaslt", "persistent:tiles", "persistent:stream-k"])
 def test_cuda_graph_capture_and_no_host_sync(path, monkeypatch):
+    """Captured and replayed twice; the stream-K schedule's flags in the workspace must be clear again
+    after each replay."""
+    path, _, schedule = path.partition(":")
     monkeypatch.setenv("MMFUSE_DUAL_GEMM_PATH", path)
+    monkeypatch.setenv("MMFUSE_DUAL_GEMM_SCHEDULE", schedule or "auto")
     g = torch.Generator().manual_seed(9)
     (a0, w0), (a1, w1) = _make(512, 384, 256, False, True, torch.bfloat16, g), _make(64, 128, 256, False, True,
                                                                                      torch.bfloat16, g)

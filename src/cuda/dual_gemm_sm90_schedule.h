@@ -1,0 +1,137 @@
+// The work schedules of the persistent sm_90a dual GEMM (dual_gemm_sm90.cu): which k-blocks of which
+// units each cluster runs, and where a unit split across clusters is summed. Plain C++ shared by the
+// kernel, its host launcher and a CPU test (tests/cpp/test_dual_gemm.cpp, DualGemmSchedule.*).
+//
+// The work unit is a pair of output tiles (one a CTA of a cluster of two); unit u belongs to problem
+// 0 (schedule order) if u < units[0], else to problem 1, and has kblocks[e] k-blocks.
+//
+// Tiles: cluster g runs units g, g + G, ... whole (G = clusters).
+// Stream-K: the k-blocks of all units in order form one sequence of `iters` iterations, and cluster
+// g runs iterations [g iters / G, (g + 1) iters / G) (G <= iters: no share is empty), cut into
+// segments, each a run of k-blocks of one unit. A segment that starts inside its unit (only a
+// share's first can) writes its fp32 partial to the workspace slots of its cluster and raises their
+// flags: it "spills". The segment that holds a unit's first k-block but not its last (only a share's
+// last can) waits for the flags of the clusters after it whose shares start inside the unit, adds
+// their partials in k order and stores the unit: it "gathers". The sum order depends on the shapes
+// and G alone, so results are bitwise reproducible. The spilling segments open their clusters'
+// shares and wait on nothing, while the gathering cluster meets the unit at the end of its share: it
+// waits little or not at all, and never on a cluster that waits on it (no deadlock while all
+// clusters are resident, and G is at most the clusters that fit).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+
+#if defined(__CUDACC__)
+#define MMFUSE_SCHEDULE_FN __host__ __device__ __forceinline__
+#else
+#define MMFUSE_SCHEDULE_FN inline
+#endif
+
+namespace mmfuse {
+namespace detail {
+
+enum ScheduleMode : int { kScheduleAuto = 0, kScheduleTiles = 1, kScheduleStreamK = 2 };
+
+struct Schedule {
+  int units[2];      // units of each problem, in schedule order
+  int kblocks[2];    // k-blocks of each of its units (>= 1)
+  int total_units;   // units[0] + units[1]
+  int clusters;      // G: clusters of the grid
+  int stream_k;      // 0: tiles; 1: stream-K
+  long long iters;   // k-blocks of all units
+};
+
+struct Segment {
+  int u, kb_begin, kb_end;  // unit, and its k-blocks [kb_begin, kb_end)
+  bool spill, gather;
+  long long unit_end;  // stream-K: the iteration after the unit's last k-block
+};
+
+struct Walk {
+  long long it, end;  // stream-K: the share's next and end iterations
+  int u;              // tiles: the next unit
+};
+
+MMFUSE_SCHEDULE_FN long long share_begin(const Schedule& s, int g) { return s.iters * g / s.clusters; }
+
+MMFUSE_SCHEDULE_FN Walk walk_start(const Schedule& s, int g) { return {share_begin(s, g), share_begin(s, g + 1), g}; }
+
+// Cluster g's next segment (w from walk_start(s, g)); false once its work is done.
+MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
+  if (!s.stream_k) {
+    if (w.u >= s.total_units) return false;
+    seg = {w.u, 0, s.kblocks[w.u >= s.units[0]], false, false, 0};
+    w.u += s.clusters;
+    return true;
+  }
+  if (w.it >= w.end) return false;
+  const long long first = (long long)s.units[0] * s.kblocks[0];  // iterations of problem 0
+  const int e = w.it >= first;
+  const long long rel = e ? w.it - first : w.it;
+  const int kbs = s.kblocks[e];
+  const int kb = int(rel % kbs);
+  const long long unit_end = w.it - kb + kbs, seg_end = unit_end < w.end ? unit_end : w.end;
+  seg = {(e ? s.units[0] : 0) + int(rel / kbs), kb, kb + int(seg_end - w.it), kb > 0, kb == 0 && seg_end < unit_end,
+         unit_end};
+  w.it = seg_end;
+  return true;
+}
+
+// The clusters whose spilled partials a gathering segment of cluster g adds: g + 1 .. last - 1.
+MMFUSE_SCHEDULE_FN int gather_last(const Schedule& s, int g, long long unit_end) {
+  int h = g + 1;
+  while (h < s.clusters && share_begin(s, h) < unit_end) ++h;
+  return h;
+}
+
+// Workspace of the stream-K schedule on g clusters: a 64-bit flag a slot (256-byte aligned), then
+// an fp32 partial block a slot; a slot is a (cluster, CTA rank, consumer warpgroup), and its block
+// one warpgroup's 128 threads x 128 accumulators.
+constexpr int kSlotsPerCluster = 4;
+constexpr int kPartialFloats = 128 * 128;
+inline size_t schedule_flag_bytes(int g) { return (size_t(g) * kSlotsPerCluster * 8 + 255) / 256 * 256; }
+inline size_t schedule_workspace_bytes(int g) {
+  return schedule_flag_bytes(g) + size_t(g) * kSlotsPerCluster * kPartialFloats * sizeof(float);
+}
+
+// k-blocks of the busiest cluster when g clusters run whole units round robin.
+inline long long tiles_makespan(const Schedule& s, int g) {
+  long long worst = 0;
+  for (int c = 0; c < g && c < s.total_units; ++c) {
+    const long long all = (s.total_units - c + g - 1) / g;                             // units c, c + g, ...
+    const long long first = c < s.units[0] ? (s.units[0] - c + g - 1) / g : 0;         // of them problem 0's
+    worst = std::max(worst, first * s.kblocks[0] + (all - first) * s.kblocks[1]);
+  }
+  return worst;
+}
+
+// What splitting costs a cluster on top of its k-blocks, in k-blocks (a spill's 64 KB stores a
+// warpgroup, a gather's loads and adds). An estimate, not yet measured: docs/benchmarks.md.
+constexpr long long kSplitCost = 4;
+
+// The schedule of units[e] units of kblocks[e] k-blocks each on at most max_clusters clusters:
+// `mode` kScheduleTiles or kScheduleStreamK forces one (stream-K only where workspace_bytes holds
+// its slots); kScheduleAuto takes stream-K where its busiest cluster (its share plus kSplitCost)
+// has less to do than the tiles schedule's, and the workspace holds it.
+inline Schedule make_schedule(const int (&units)[2], const int (&kblocks)[2], int max_clusters, int mode,
+                              size_t workspace_bytes) {
+  Schedule s{};
+  for (int e = 0; e < 2; ++e) {
+    s.units[e] = units[e];
+    s.kblocks[e] = std::max(1, kblocks[e]);
+  }
+  s.total_units = units[0] + units[1];
+  s.iters = (long long)s.units[0] * s.kblocks[0] + (long long)s.units[1] * s.kblocks[1];
+  const int tiles_g = std::max(1, std::min(s.total_units, max_clusters));
+  const int sk_g = int(std::max(1LL, std::min<long long>(s.iters, max_clusters)));
+  bool sk = mode == kScheduleStreamK ||
+            (mode == kScheduleAuto && tiles_makespan(s, tiles_g) > (s.iters + sk_g - 1) / sk_g + kSplitCost);
+  sk = sk && s.total_units > 0 && workspace_bytes >= schedule_workspace_bytes(sk_g);
+  s.stream_k = sk ? 1 : 0;
+  s.clusters = sk ? sk_g : tiles_g;
+  return s;
+}
+
+}  // namespace detail
+}  // namespace mmfuse
