@@ -4,9 +4,10 @@
 // of it into both CTAs' shared memory (TMA multicast). The unit list puts the problem with the
 // costlier units (larger k; then more units) first, so that the other problem's units fill the first
 // one's last partial wave instead of running after it. Two static schedules over it
-// (dual_gemm_sm90_schedule.h): whole units round robin ("tiles"), or an equal share of all k-blocks
-// a cluster ("stream-K"), where a unit cut between clusters is summed in a fixed order through fp32
-// partials in the caller's workspace and flags tagged with the launch (no zeroing needed).
+// (dual_gemm_sm90_schedule.h): whole units round robin ("tiles"); or that for all but the last one
+// to two waves, then an equal share of the remaining k-blocks a cluster ("stream-K"), where a unit
+// cut between clusters is summed in a fixed order through fp32 partials in the caller's workspace
+// and flags tagged with the launch (no zeroing needed).
 //
 // A CTA is three warpgroups: warpgroup 0 is the producer (one thread issues the TMA bulk tensor
 // copies of A and B into a ring of kStages shared-memory stages, each completing on its stage's

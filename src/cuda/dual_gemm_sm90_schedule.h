@@ -6,17 +6,21 @@
 // 0 (schedule order) if u < units[0], else to problem 1, and has kblocks[e] k-blocks.
 //
 // Tiles: cluster g runs units g, g + G, ... whole (G = clusters).
-// Stream-K: the k-blocks of all units in order form one sequence of `iters` iterations, and cluster
-// g runs iterations [g iters / G, (g + 1) iters / G) (G <= iters: no share is empty), cut into
-// segments, each a run of k-blocks of one unit. A segment that starts inside its unit (only a
-// share's first can) writes its fp32 partial to the workspace slots of its cluster and raises their
-// flags: it "spills". The segment that holds a unit's first k-block but not its last (only a share's
-// last can) waits for the flags of the clusters after it whose shares start inside the unit, adds
-// their partials in k order and stores the unit: it "gathers". The sum order depends on the shapes
-// and G alone, so results are bitwise reproducible. The spilling segments open their clusters'
-// shares and wait on nothing, while the gathering cluster meets the unit at the end of its share: it
-// waits little or not at all, and never on a cluster that waits on it (no deadlock while all
-// clusters are resident, and G is at most the clusters that fit).
+// Stream-K: the same for the first dp_units units (all but the last one to two waves: a multiple of
+// G), then the k-blocks of the remaining units, in order, form one sequence of iterations, numbered
+// on from the whole units' (`dp_iters` .. `iters`), and cluster g runs its share
+// [dp_iters + g R / G, dp_iters + (g + 1) R / G) of those R = iters - dp_iters (G <= R: no share is
+// empty), cut into segments, each a run of k-blocks of one unit. The whole-unit waves keep the L2
+// reuse of the tiles order (the units in flight at once are neighbours); the shares level the tail.
+// A segment that starts inside its unit (only a share's first can) writes its fp32 partial to the
+// workspace slots of its cluster and raises their flags: it "spills". The segment that holds a
+// unit's first k-block but not its last (only a share's last can) waits for the flags of the
+// clusters after it whose shares start inside the unit, adds their partials in k order and stores
+// the unit: it "gathers". The sum order depends on the shapes and G alone, so results are bitwise
+// reproducible. The spilling segments open their clusters' shares and wait on nothing, while the
+// gathering cluster meets the unit at the end of its share: it waits little or not at all, and
+// never on a cluster that waits on it (no deadlock while all clusters are resident, and G is at
+// most the clusters that fit).
 #pragma once
 
 #include <algorithm>
@@ -34,12 +38,14 @@ namespace detail {
 enum ScheduleMode : int { kScheduleAuto = 0, kScheduleTiles = 1, kScheduleStreamK = 2 };
 
 struct Schedule {
-  int units[2];      // units of each problem, in schedule order
-  int kblocks[2];    // k-blocks of each of its units (>= 1)
-  int total_units;   // units[0] + units[1]
-  int clusters;      // G: clusters of the grid
-  int stream_k;      // 0: tiles; 1: stream-K
-  long long iters;   // k-blocks of all units
+  int units[2];        // units of each problem, in schedule order
+  int kblocks[2];      // k-blocks of each of its units (>= 1)
+  int total_units;     // units[0] + units[1]
+  int clusters;        // G: clusters of the grid
+  int stream_k;        // 0: tiles; 1: stream-K
+  int dp_units;        // units run whole, round robin (all of them under tiles)
+  long long dp_iters;  // their k-blocks: the shares' iterations start here
+  long long iters;     // k-blocks of all units
 };
 
 struct Segment {
@@ -53,19 +59,20 @@ struct Walk {
   int u;              // tiles: the next unit
 };
 
-MMFUSE_SCHEDULE_FN long long share_begin(const Schedule& s, int g) { return s.iters * g / s.clusters; }
+MMFUSE_SCHEDULE_FN long long share_begin(const Schedule& s, int g) {
+  return s.dp_iters + (s.iters - s.dp_iters) * g / s.clusters;
+}
 
 MMFUSE_SCHEDULE_FN Walk walk_start(const Schedule& s, int g) { return {share_begin(s, g), share_begin(s, g + 1), g}; }
 
 // Cluster g's next segment (w from walk_start(s, g)); false once its work is done.
 MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
-  if (!s.stream_k) {
-    if (w.u >= s.total_units) return false;
+  if (w.u < s.dp_units) {  // a whole unit
     seg = {w.u, 0, s.kblocks[w.u >= s.units[0]], false, false, 0};
     w.u += s.clusters;
     return true;
   }
-  if (w.it >= w.end) return false;
+  if (w.it >= w.end) return false;  // (under tiles every share is empty)
   const long long first = (long long)s.units[0] * s.kblocks[0];  // iterations of problem 0
   const int e = w.it >= first;
   const long long rel = e ? w.it - first : w.it;
@@ -95,15 +102,22 @@ inline size_t schedule_workspace_bytes(int g) {
   return schedule_flag_bytes(g) + size_t(g) * kSlotsPerCluster * kPartialFloats * sizeof(float);
 }
 
-// k-blocks of the busiest cluster when g clusters run whole units round robin.
-inline long long tiles_makespan(const Schedule& s, int g) {
+// k-blocks of the busiest cluster when g clusters run units [0, limit) whole, round robin.
+inline long long tiles_makespan(const Schedule& s, int g, int limit) {
   long long worst = 0;
-  for (int c = 0; c < g && c < s.total_units; ++c) {
-    const long long all = (s.total_units - c + g - 1) / g;                             // units c, c + g, ...
-    const long long first = c < s.units[0] ? (s.units[0] - c + g - 1) / g : 0;         // of them problem 0's
+  for (int c = 0; c < g && c < limit; ++c) {
+    const long long all = (limit - c + g - 1) / g;  // units c, c + g, ... below limit
+    const int first_end = std::min(s.units[0], limit);
+    const long long first = c < first_end ? (first_end - c + g - 1) / g : 0;  // of them problem 0's
     worst = std::max(worst, first * s.kblocks[0] + (all - first) * s.kblocks[1]);
   }
   return worst;
+}
+
+// k-blocks of units [0, n).
+inline long long schedule_iters(const Schedule& s, int n) {
+  const int first = std::min(n, s.units[0]);
+  return (long long)first * s.kblocks[0] + (long long)(n - first) * s.kblocks[1];
 }
 
 // What splitting costs a cluster on top of its k-blocks, in k-blocks (a spill's 64 KB stores a
@@ -112,8 +126,8 @@ constexpr long long kSplitCost = 4;
 
 // The schedule of units[e] units of kblocks[e] k-blocks each on at most max_clusters clusters:
 // `mode` kScheduleTiles or kScheduleStreamK forces one (stream-K only where workspace_bytes holds
-// its slots); kScheduleAuto takes stream-K where its busiest cluster (its share plus kSplitCost)
-// has less to do than the tiles schedule's, and the workspace holds it.
+// its slots); kScheduleAuto takes stream-K where its busiest cluster (whole units, its share and
+// kSplitCost) has less to do than the tiles schedule's, and the workspace holds it.
 inline Schedule make_schedule(const int (&units)[2], const int (&kblocks)[2], int max_clusters, int mode,
                               size_t workspace_bytes) {
   Schedule s{};
@@ -122,14 +136,21 @@ inline Schedule make_schedule(const int (&units)[2], const int (&kblocks)[2], in
     s.kblocks[e] = std::max(1, kblocks[e]);
   }
   s.total_units = units[0] + units[1];
-  s.iters = (long long)s.units[0] * s.kblocks[0] + (long long)s.units[1] * s.kblocks[1];
+  s.iters = schedule_iters(s, s.total_units);
   const int tiles_g = std::max(1, std::min(s.total_units, max_clusters));
+  // stream-K: G clusters (at most one a k-block); whole units for all waves but the last full one
   const int sk_g = int(std::max(1LL, std::min<long long>(s.iters, max_clusters)));
+  const int waves = s.total_units / sk_g;
+  const int dp = waves >= 2 ? (waves - 1) * sk_g : 0;
+  const long long dp_iters = schedule_iters(s, dp);
+  const long long sk_span = tiles_makespan(s, sk_g, dp) + (s.iters - dp_iters + sk_g - 1) / sk_g;
   bool sk = mode == kScheduleStreamK ||
-            (mode == kScheduleAuto && tiles_makespan(s, tiles_g) > (s.iters + sk_g - 1) / sk_g + kSplitCost);
+            (mode == kScheduleAuto && tiles_makespan(s, tiles_g, s.total_units) > sk_span + kSplitCost);
   sk = sk && s.total_units > 0 && workspace_bytes >= schedule_workspace_bytes(sk_g);
   s.stream_k = sk ? 1 : 0;
   s.clusters = sk ? sk_g : tiles_g;
+  s.dp_units = sk ? dp : s.total_units;
+  s.dp_iters = sk ? dp_iters : s.iters;
   return s;
 }
 

@@ -161,17 +161,19 @@ TEST(DualGemmCpu, BadInputNamesTheProblem) {
 }
 
 // The persistent kernel's schedules (plain host code, checked without a GPU): every k-block of every
-// unit runs exactly once; under stream-K each cluster's share is at most ceil(iters / G) k-blocks,
-// only a share's first segment spills and only its last gathers, and each gathering segment's
-// clusters (g + 1 .. gather_last - 1) are exactly the unit's spilling ones, in k order, with the
-// k-blocks after the gathering segment's.
+// unit runs exactly once. Under stream-K a cluster first runs whole units (the same number, a
+// multiple of G in all, as every other cluster), then a share of at most ceil(R / G) of the
+// remaining R k-blocks; only a share's first segment spills and only its last gathers; and each
+// gathering segment's clusters (g + 1 .. gather_last - 1) are exactly the unit's spilling ones, in
+// k order, with the k-blocks after the gathering segment's.
 TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
   using namespace mmfuse::detail;
   std::mt19937_64 rng(test_seed());
   const size_t plenty = size_t(1) << 40;
-  for (int trial = 0; trial < 400; ++trial) {
+  for (int trial = 0; trial < 600; ++trial) {
     auto pick = [&](int lo, int hi) { return lo + int(rng() % uint64_t(hi - lo + 1)); };
-    const int units[2] = {pick(0, 150), pick(0, 40)}, kblocks[2] = {pick(1, 180), pick(1, 180)};
+    const bool many = trial % 3 == 0;  // several waves: whole units first
+    const int units[2] = {pick(0, many ? 600 : 150), pick(0, 40)}, kblocks[2] = {pick(1, 180), pick(1, 180)};
     const int max_clusters = std::vector<int>{1, 2, 7, 66, 132}[trial % 5];
     if (units[0] + units[1] == 0) continue;
     for (int mode : {kScheduleTiles, kScheduleStreamK}) {
@@ -183,21 +185,36 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
       ASSERT_GE(s.clusters, 1) << where;
       ASSERT_LE(s.clusters, max_clusters) << where;
       ASSERT_EQ(s.iters, (long long)units[0] * kblocks[0] + (long long)units[1] * kblocks[1]) << where;
-      if (s.stream_k) ASSERT_LE(s.clusters, s.iters) << where;
+      if (s.stream_k) {
+        ASSERT_EQ(s.dp_units % s.clusters, 0) << where;
+        ASSERT_LE(s.clusters, s.iters - s.dp_iters) << where;
+      } else {
+        ASSERT_EQ(s.dp_units, s.total_units) << where;
+      }
       std::vector<std::vector<int>> runs(size_t(s.total_units));
       for (int u = 0; u < s.total_units; ++u) runs[size_t(u)].assign(size_t(s.kblocks[u >= units[0]]), 0);
       std::vector<std::vector<Segment>> segs(size_t(s.clusters));
+      std::vector<size_t> whole(size_t(s.clusters), 0);  // segments of whole units run round robin
       for (int g = 0; g < s.clusters; ++g) {
         Walk w = walk_start(s, g);
         Segment seg;
-        long long work = 0;
+        long long share = 0;
         while (next_segment(s, w, seg)) {
           ASSERT_LT(seg.kb_begin, seg.kb_end) << where;
           for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb) ++runs.at(size_t(seg.u)).at(size_t(kb));
-          work += seg.kb_end - seg.kb_begin;
+          if (seg.u < s.dp_units) {
+            ASSERT_EQ(whole[size_t(g)], segs[size_t(g)].size()) << where << ": whole units come first";
+            ASSERT_EQ(seg.u % s.clusters, g) << where;
+            ++whole[size_t(g)];
+          } else {
+            share += seg.kb_end - seg.kb_begin;
+          }
           segs[size_t(g)].push_back(seg);
         }
-        if (s.stream_k) ASSERT_LE(work, (s.iters + s.clusters - 1) / s.clusters) << where << " cluster " << g;
+        if (s.stream_k) {
+          ASSERT_EQ(whole[size_t(g)], size_t(s.dp_units / s.clusters)) << where;
+          ASSERT_LE(share, (s.iters - s.dp_iters + s.clusters - 1) / s.clusters) << where << " cluster " << g;
+        }
       }
       for (const auto& r : runs)
         for (int n : r) ASSERT_EQ(n, 1) << where;
@@ -209,7 +226,7 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
           ASSERT_EQ(seg.spill, s.stream_k && seg.kb_begin > 0) << where;
           ASSERT_EQ(seg.gather, s.stream_k && seg.kb_begin == 0 && seg.kb_end < kbs) << where;
           if (seg.spill) {
-            ASSERT_EQ(i, 0u) << where;
+            ASSERT_EQ(i, whole[size_t(g)]) << where;
             spills[g] = seg.u;
           }
           if (seg.gather) ASSERT_EQ(i + 1, segs[size_t(g)].size()) << where;
@@ -222,7 +239,7 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
           const int last = gather_last(s, g, seg.unit_end);
           for (int h = g + 1; h < last; ++h) {
             ASSERT_TRUE(spills.count(h) && spills[h] == seg.u) << where << " cluster " << h;
-            const Segment& part = segs[size_t(h)].front();
+            const Segment& part = segs[size_t(h)].at(whole[size_t(h)]);
             ASSERT_EQ(part.kb_begin, next_kb) << where;
             next_kb = part.kb_end;
             ++gathered;
@@ -247,6 +264,10 @@ TEST(DualGemmSchedule, AutoAndWorkspace) {
   const Schedule even = make_schedule({198, 0}, {32, 1}, 66, kScheduleAuto, ws);
   EXPECT_EQ(even.stream_k, 0);
   EXPECT_EQ(even.clusters, 66);
+  // the large forward, 1376 + 44 units of 32 k-blocks: 21.5 waves, the first 20 whole
+  const Schedule large = make_schedule({1376, 44}, {32, 32}, 66, kScheduleStreamK, ws);
+  EXPECT_EQ(large.dp_units, 20 * 66);
+  EXPECT_EQ(large.dp_iters, 20 * 66 * 32);
   // too small a workspace: whole tiles, even when stream-K is asked for
   const Schedule small = make_schedule({32, 8}, {172, 43}, 66, kScheduleStreamK, schedule_workspace_bytes(66) - 1);
   EXPECT_EQ(small.stream_k, 0);
@@ -304,6 +325,11 @@ TEST(DualGemmCuda, PersistentKernelAgainstFloat64) {
     for (bool ta : {false, true})
       for (bool tb : {false, true})
         check_dual<bf16, bf16>(rng, {2176, 2304, 16}, {8, 8, 32}, ta, tb, false, Run::kPersistent);
+    // two waves of units on 66 clusters (H100 / H200): under stream-K the first runs whole, the
+    // second's two k-blocks a unit are shared out and split
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        check_dual<bf16, bf16>(rng, {136, 33792, 72}, {8, 8, 8}, ta, tb, false, Run::kPersistent);
     // ragged m and n (a [m, k], w [n, k]: only k is a stored row length) and ragged k (a [k, m], w [k, n])
     const Expert ragged_mn[][2] = {{{7, 33, 64}, {1, 300, 24}}, {{131, 257, 136}, {65, 1, 8}}};
     const Expert ragged_k[][2] = {{{64, 72, 19}, {8, 256, 1}}, {{136, 264, 201}, {128, 8, 65}}};
