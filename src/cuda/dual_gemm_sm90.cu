@@ -92,20 +92,15 @@ struct Params {
 #ifdef MMFUSE_SM90A
 constexpr int kBox = 64 * 64 * 2;  // one 64 x 64 box of an M/N-major operand
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
+// Shared-memory addresses, mbarrier set-up and the expect_tx arrival come from cuda/tma.cuh; this
+// file's mbar_wait stays its own (its loop compiles to other instructions than cuda::mbar_wait's,
+// and changing what ran needs a GPU run).
+//
 // Arrives on the barrier at bar's offset in the shared memory of cluster CTA `rank` (the default
 // .release.cta semantics: a .cluster-scope release would fence all of the thread's global stores).
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
   uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(cuda::smem_addr(bar)), "r"(rank));
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 __device__ __forceinline__ uint32_t cluster_rank() {
@@ -120,7 +115,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n.reg .pred done;\nWAIT:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)),
+      "@!done bra WAIT;\n}\n" ::"r"(cuda::smem_addr(bar)),
       "r"(parity)
       : "memory");
 }
@@ -129,16 +124,16 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          smem_u32(dst)),
-      "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+          cuda::smem_addr(dst)),
+      "l"(map), "r"(cuda::smem_addr(bar)), "r"(c0), "r"(c1)
       : "memory");
 }
 // The same box into the same offset of both CTAs of the cluster, completing on each one's `bar`.
 __device__ __forceinline__ void tma_load_both(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
-      "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(uint16_t(3))
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(cuda::smem_addr(dst)),
+      "l"(map), "r"(cuda::smem_addr(bar)), "r"(c0), "r"(c1), "h"(uint16_t(3))
       : "memory");
 }
 
@@ -328,7 +323,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[128], unsigned c
                                                int n, int row0, int col0, int c) {
   constexpr int kParts = 2, kBoxes = 2;  // halves of the block, boxes a half
   const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
-  const uint32_t base = smem_u32(buf);
+  const uint32_t base = cuda::smem_addr(buf);
   const int i = lane / 8, rr = lane % 8;       // the matrix this lane addresses, and its row in it
   const int r = 16 * warp + 8 * (i % 2) + rr;  // matrix i of step j: rows 8 (i % 2), columns 8 (j + i / 2)
 #pragma unroll
@@ -448,10 +443,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int cluster = blockIdx.x / kCluster;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);    // the producer's expect_tx arrival (plus the TMA bytes of both CTAs)
-      mbar_init(&empty[s], 8 * kCluster);  // one arrival from each consumer warp of both CTAs
+      cuda::mbar_init(&full[s], 1);    // the producer's expect_tx arrival (plus the TMA bytes of both CTAs)
+      cuda::mbar_init(&empty[s], 8 * kCluster);  // one arrival from each consumer warp of both CTAs
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    cuda::fence_mbar_init();
   }
   cluster_sync();  // both CTAs' barriers exist before either CTA copies or arrives into the other
 
@@ -470,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_wait(&empty[stage], phase ^ 1);
           unsigned char* sa = smem + stage * kStageBytes;
           unsigned char* sb = sa + kABytes;
-          mbar_expect_tx(&full[stage], kStageBytes);
+          cuda::mbar_arrive_expect_tx(&full[stage], kStageBytes);
           const int k0 = kb * kBK;
           if constexpr (!TA) {
             tma_load(sa, ma, &full[stage], k0, tc.m0);
@@ -513,8 +508,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       int prev = -1;
       for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb) {
         mbar_wait(&full[stage], phase);
-        const uint32_t sa = smem_u32(smem + stage * kStageBytes) + c * (kABytes / 2);
-        const uint32_t sb = smem_u32(smem + stage * kStageBytes + kABytes);
+        const uint32_t sa = cuda::smem_addr(smem + stage * kStageBytes) + c * (kABytes / 2);
+        const uint32_t sb = cuda::smem_addr(smem + stage * kStageBytes + kABytes);
         fence_acc(d);
         wgmma_fence();
 #pragma unroll
