@@ -584,7 +584,7 @@ CUtensorMap operand_map(const TensorView& v, int box_rows) {
 }
 
 template <class T, bool TA, bool TB, bool kTmaOut>
-void launch(const Sm90Expert (&ex)[2], bool accumulate, const TensorView& ws, cudaStream_t stream) {
+void launch(const Sm90Expert (&ex)[2], bool accumulate, int mode, const TensorView& ws, cudaStream_t stream) {
   auto kernel = dual_gemm_sm90_kernel<T, TA, TB, kTmaOut>;
   constexpr int kSmem = kSmemBytes<kTmaOut>;
   const int dev = cuda::current_device();
@@ -641,7 +641,6 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, const TensorView& ws, cu
     else std::memset(&maps[i][2], 0, sizeof(maps[i][2]));
   }
   if (unit_count[0] + unit_count[1] == 0) return;
-  const int mode = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_SCHEDULE", {"auto", "tiles", "stream-k"});
   const bool ws_ok = ws.defined() && reinterpret_cast<uintptr_t>(ws.data) % 256 == 0;
   prm.s = make_schedule(unit_count, kblocks, max_clusters, mode, ws_ok ? size_t(ws.shape[0]) * dtype_size(ws.dtype) : 0);
   if (prm.s.stream_k) {
@@ -688,15 +687,17 @@ void sm90_dual_gemm(const Sm90Expert (&ex)[2], const DualGemmOptions& o, const T
   const DType in = ex[0].a->dtype;
   const int layout = (o.trans_a ? 2 : 0) + (o.trans_b ? 1 : 0);
   const bool tma_out = tma_epilogue(ex);
+  // MMFUSE_DUAL_GEMM_SCHEDULE: auto (make_schedule's rule), tiles or stream-k (for tests and measurements)
+  const int mode = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_SCHEDULE", {"auto", "tiles", "stream-k"});
   auto go = [&](auto tag) {
     using T = decltype(tag);
     auto with = [&](auto tma) {
       constexpr bool kTma = decltype(tma)::value;
       switch (layout) {
-        case 0: return launch<T, false, false, kTma>(ex, o.accumulate, ws, stream);
-        case 1: return launch<T, false, true, kTma>(ex, o.accumulate, ws, stream);
-        case 2: return launch<T, true, false, kTma>(ex, o.accumulate, ws, stream);
-        default: return launch<T, true, true, kTma>(ex, o.accumulate, ws, stream);
+        case 0: return launch<T, false, false, kTma>(ex, o.accumulate, mode, ws, stream);
+        case 1: return launch<T, false, true, kTma>(ex, o.accumulate, mode, ws, stream);
+        case 2: return launch<T, true, false, kTma>(ex, o.accumulate, mode, ws, stream);
+        default: return launch<T, true, true, kTma>(ex, o.accumulate, mode, ws, stream);
       }
     };
     if (tma_out)
