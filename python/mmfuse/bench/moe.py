@@ -80,6 +80,22 @@ def _bytes(T, H, K, num_out, es):
                 backward=T * H * es + 2 * num_out * H * es + map_bytes + 2 * prob_bytes)
 
 
+def _per_call_in_graph(fn, n, it):
+    """Device time of one of n calls of fn captured back to back in a CUDA graph (one replay timed,
+    divided by n): what a call costs in a captured training step, where no launch waits on the host."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    us, spread = time_us(graph.replay, "cuda", **it)
+    return us / n, spread / n
+
+
 def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat16):
     it = dict(iters=10 if quick else 30)
     idx, probs = _routing(T, K, E, device, seed=T + K + E, skew=skew)
@@ -99,6 +115,9 @@ def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat
     verdict = "exact" if ok else "FAIL"
     base_us, _ = time_us(lambda: torch_permute(x, idx, num_out), device, **it)
     rows.append(Row(f"{name} plan", plan_us, plan_sp, None, verified=verdict))
+    if device == "cuda":  # the same plan in a captured step: 20 in a CUDA graph, per plan
+        g_us, g_sp = _per_call_in_graph(lambda: ops.moe_plan(idx, E, num_out), 20, it)
+        rows.append(Row(f"{name} plan, 20 in a CUDA graph, per plan", g_us, g_sp, None, verified=verdict))
     perm_bytes = nbytes["permute"]
     full_us, full_sp = time_us(lambda: mmfuse.moe_permute(x, idx, E, num_out), device, **it)
     rows.append(Row(f"{name} moe_permute (plan+rows)", full_us, full_sp, perm_bytes + idx.numel() * 8,
@@ -150,6 +169,9 @@ def sweep(quick: bool = True) -> None:
     floor_us = time_us(lambda: one.add_(1), "cuda", **it)[0]
     print(f"one kernel (a one-element add_), the floor of any timed launch: {floor_us:.1f} us")
     floor_n_us = time_us(lambda: [one.add_(1) for _ in range(20)], "cuda", **it)[0]
+    floor_graph_us = _per_call_in_graph(lambda: one.add_(1), 20, it)[0]
+    print(f"one-element add_: 20 back to back {floor_n_us / 20:.1f} us each, 20 in a CUDA graph "
+          f"{floor_graph_us:.1f} us each")
     cases = _GPU_CASES + [("T64k H2048 2-expert", 65536, 2048, 1, 2, dict(skew=0.25)),
                           ("T16k H4096 2-expert", 16384, 4096, 1, 2, dict(skew=0.25)),
                           ("T32k H2048 2/8", 32768, 2048, 2, 8, {}), ("T32k H2048 2/64", 32768, 2048, 2, 64, {})]
@@ -171,6 +193,9 @@ def sweep(quick: bool = True) -> None:
         with env("MMFUSE_MOE_PLAN", "auto"):
             us, _ = time_us(lambda: [ops.moe_plan(idx, E, num_out) for _ in range(n)], "cuda", **it)
         line.append(f"auto, {n} back to back {us / n:.1f} a plan (add_ {floor_n_us / n:.1f})")
+        with env("MMFUSE_MOE_PLAN", "auto"):
+            g_us, _ = _per_call_in_graph(lambda: ops.moe_plan(idx, E, num_out), n, it)
+        line.append(f"{n} in a CUDA graph {g_us:.1f} a plan (add_ {floor_graph_us:.1f})")
         print(f"sweep {name} (T*K {T * K}): plan us: " + ", ".join(line))
         y = torch.randn(num_out, H, device="cuda").to(torch.bfloat16)
         dout = torch.randn(T, H, device="cuda").to(torch.bfloat16)
