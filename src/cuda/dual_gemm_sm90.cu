@@ -394,13 +394,12 @@ __device__ __forceinline__ void spill_partial(const float (&d)[128], const Param
   }
 }
 
-// Consumer warpgroup c of cluster g, CTA `rank`: adds the partials of its unit's later segments
-// (clusters g + 1 .. gather_last - 1), in k order, each once its flag is up; clears each flag.
+// Consumer warpgroup c of cluster g, CTA `rank`: adds the partials of its unit's earlier segments
+// (clusters gather_first .. g - 1), in that order, each once its flag is up; clears each flag.
 __device__ __forceinline__ void gather_partials(float (&d)[128], const Params& prm, int g, uint32_t rank, int c,
-                                                long long unit_end, unsigned long long token) {
+                                                long long unit_begin, unsigned long long token) {
   const int tid = threadIdx.x % 128;
-  const int last = gather_last(prm.s, g, unit_end);
-  for (int h = g + 1; h < last; ++h) {
+  for (int h = gather_first(prm.s, g, unit_begin); h < g; ++h) {
     const int slot = partial_slot(h, rank, c);
     if (tid == 0) {
       unsigned long long f;
@@ -539,7 +538,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (rows) spill_partial(d, prm, partial_slot(cluster, rank, c), c, token);
         continue;
       }
-      if (seg.gather && rows) gather_partials(d, prm, cluster, rank, c, seg.unit_end, token);
+      if (seg.gather && rows) gather_partials(d, prm, cluster, rank, c, seg.unit_begin, token);
       if constexpr (kTmaOut) {
         if (rows)
           store_tile_tma<T>(d, out_buf + c * kOutBytes, tc.e ? &mo1 : &mo0, p.n, tc.m0 + 64 * c, tc.n0, c);

@@ -8,19 +8,21 @@
 // Tiles: cluster g runs units g, g + G, ... whole (G = clusters).
 // Stream-K: the same for the first dp_units units (all but the last one to two waves: a multiple of
 // G), then the k-blocks of the remaining units, in order, form one sequence of iterations, numbered
-// on from the whole units' (`dp_iters` .. `iters`), and cluster g runs its share
+// on from the whole units' (`dp_iters` .. `iters`), and cluster g owns the share
 // [dp_iters + g R / G, dp_iters + (g + 1) R / G) of those R = iters - dp_iters (G <= R: no share is
-// empty), cut into segments, each a run of k-blocks of one unit. The whole-unit waves keep the L2
-// reuse of the tiles order (the units in flight at once are neighbours); the shares level the tail.
-// A segment that starts inside its unit (only a share's first can) writes its fp32 partial to the
-// workspace slots of its cluster and raises their flags: it "spills". The segment that holds a
-// unit's first k-block but not its last (only a share's last can) waits for the flags of the
-// clusters after it whose shares start inside the unit, adds their partials in k order and stores
-// the unit: it "gathers". The sum order depends on the shapes and G alone, so results are bitwise
-// reproducible. The spilling segments open their clusters' shares and wait on nothing, while the
-// gathering cluster meets the unit at the end of its share: it waits little or not at all, and
-// never on a cluster that waits on it (no deadlock while all clusters are resident, and G is at
-// most the clusters that fit).
+// empty), cut into segments, each a run of k-blocks of one unit, which it runs from the share's end
+// back to its start. The whole-unit waves keep the L2 reuse of the tiles order (the units in flight
+// at once are neighbours); the shares level the tail.
+//
+// A unit cut between clusters h < ... < g: the segment that ends inside the unit (only a share's
+// last, which its cluster runs first) writes its fp32 partial to the workspace slots of its cluster
+// and raises their flags: it "spills". The segment that holds the unit's last k-block but not its
+// first (only a share's first, which its cluster runs last) waits for the flags of clusters h .. g -
+// 1, adds their partials in that order and stores the unit: it "gathers". The sum order depends on
+// the shapes and G alone, so results are bitwise reproducible. A cluster spills before it waits on
+// anything, and waits only on clusters of lower index, which the GPU starts first: the kernel cannot
+// deadlock even when other work keeps some of its clusters from being resident at once. The
+// gathering cluster meets the unit at the end of its share, long after the spills it needs.
 #pragma once
 
 #include <algorithm>
@@ -51,12 +53,12 @@ struct Schedule {
 struct Segment {
   int u, kb_begin, kb_end;  // unit, and its k-blocks [kb_begin, kb_end)
   bool spill, gather;
-  long long unit_end;  // stream-K: the iteration after the unit's last k-block
+  long long unit_begin;  // stream-K: the iteration of the unit's first k-block
 };
 
 struct Walk {
-  long long it, end;  // stream-K: the share's next and end iterations
-  int u;              // tiles: the next unit
+  long long begin, it;  // stream-K: the share's first iteration, and the end of what is left of it
+  int u;                // tiles: the next unit
 };
 
 MMFUSE_SCHEDULE_FN long long share_begin(const Schedule& s, int g) {
@@ -65,30 +67,33 @@ MMFUSE_SCHEDULE_FN long long share_begin(const Schedule& s, int g) {
 
 MMFUSE_SCHEDULE_FN Walk walk_start(const Schedule& s, int g) { return {share_begin(s, g), share_begin(s, g + 1), g}; }
 
-// Cluster g's next segment (w from walk_start(s, g)); false once its work is done.
+// Cluster g's next segment (w from walk_start(s, g)): its whole units, then its share from the end
+// back; false once its work is done.
 MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
   if (w.u < s.dp_units) {  // a whole unit
     seg = {w.u, 0, s.kblocks[w.u >= s.units[0]], false, false, 0};
     w.u += s.clusters;
     return true;
   }
-  if (w.it >= w.end) return false;  // (under tiles every share is empty)
+  if (w.it <= w.begin) return false;  // (under tiles every share is empty)
   const long long first = (long long)s.units[0] * s.kblocks[0];  // iterations of problem 0
-  const int e = w.it >= first;
-  const long long rel = e ? w.it - first : w.it;
+  const long long last = w.it - 1;                              // the segment's last iteration
+  const int e = last >= first;
+  const long long rel = e ? last - first : last;
   const int kbs = s.kblocks[e];
-  const int kb = int(rel % kbs);
-  const long long unit_end = w.it - kb + kbs, seg_end = unit_end < w.end ? unit_end : w.end;
-  seg = {(e ? s.units[0] : 0) + int(rel / kbs), kb, kb + int(seg_end - w.it), kb > 0, kb == 0 && seg_end < unit_end,
-         unit_end};
-  w.it = seg_end;
+  const int kb_last = int(rel % kbs);
+  const long long unit_begin = last - kb_last, seg_begin = unit_begin > w.begin ? unit_begin : w.begin;
+  const int kb_begin = int(seg_begin - unit_begin);
+  seg = {(e ? s.units[0] : 0) + int(rel / kbs), kb_begin, kb_last + 1, kb_last + 1 < kbs,
+         kb_last + 1 == kbs && kb_begin > 0, unit_begin};
+  w.it = seg_begin;
   return true;
 }
 
-// The clusters whose spilled partials a gathering segment of cluster g adds: g + 1 .. last - 1.
-MMFUSE_SCHEDULE_FN int gather_last(const Schedule& s, int g, long long unit_end) {
-  int h = g + 1;
-  while (h < s.clusters && share_begin(s, h) < unit_end) ++h;
+// The clusters whose spilled partials a gathering segment of cluster g adds: first .. g - 1.
+MMFUSE_SCHEDULE_FN int gather_first(const Schedule& s, int g, long long unit_begin) {
+  int h = g - 1;
+  while (h > 0 && share_begin(s, h) > unit_begin) --h;
   return h;
 }
 

@@ -163,9 +163,10 @@ TEST(DualGemmCpu, BadInputNamesTheProblem) {
 // The persistent kernel's schedules (plain host code, checked without a GPU): every k-block of every
 // unit runs exactly once. Under stream-K a cluster first runs whole units (the same number, a
 // multiple of G in all, as every other cluster), then a share of at most ceil(R / G) of the
-// remaining R k-blocks; only a share's first segment spills and only its last gathers; and each
-// gathering segment's clusters (g + 1 .. gather_last - 1) are exactly the unit's spilling ones, in
-// k order, with the k-blocks after the gathering segment's.
+// remaining R k-blocks, from its end back; only the share's segment run first spills and only the
+// one run last gathers (so a cluster spills before it waits); and each gathering segment's clusters
+// (gather_first .. g - 1, all of lower index) are exactly the unit's spilling ones, in k order, with
+// the k-blocks before the gathering segment's.
 TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
   using namespace mmfuse::detail;
   std::mt19937_64 rng(test_seed());
@@ -207,6 +208,8 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
             ASSERT_EQ(seg.u % s.clusters, g) << where;
             ++whole[size_t(g)];
           } else {
+            if (segs[size_t(g)].size() > whole[size_t(g)])
+              ASSERT_LT(seg.u, segs[size_t(g)].back().u) << where << ": the share runs from its end back";
             share += seg.kb_end - seg.kb_begin;
           }
           segs[size_t(g)].push_back(seg);
@@ -223,8 +226,8 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
         for (size_t i = 0; i < segs[size_t(g)].size(); ++i) {
           const Segment& seg = segs[size_t(g)][i];
           const int kbs = s.kblocks[seg.u >= units[0]];
-          ASSERT_EQ(seg.spill, s.stream_k && seg.kb_begin > 0) << where;
-          ASSERT_EQ(seg.gather, s.stream_k && seg.kb_begin == 0 && seg.kb_end < kbs) << where;
+          ASSERT_EQ(seg.spill, s.stream_k && seg.kb_end < kbs) << where;
+          ASSERT_EQ(seg.gather, s.stream_k && seg.kb_begin > 0 && seg.kb_end == kbs) << where;
           if (seg.spill) {
             ASSERT_EQ(i, whole[size_t(g)]) << where;
             spills[g] = seg.u;
@@ -235,16 +238,19 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
       for (int g = 0; g < s.clusters; ++g)
         for (const Segment& seg : segs[size_t(g)]) {
           if (!seg.gather) continue;
-          int next_kb = seg.kb_end;
-          const int last = gather_last(s, g, seg.unit_end);
-          for (int h = g + 1; h < last; ++h) {
+          int next_kb = 0;
+          const int first = gather_first(s, g, seg.unit_begin);
+          ASSERT_GE(first, 0) << where;
+          ASSERT_LT(first, g) << where << ": a cluster waits only on clusters of lower index";
+          for (int h = first; h < g; ++h) {
             ASSERT_TRUE(spills.count(h) && spills[h] == seg.u) << where << " cluster " << h;
             const Segment& part = segs[size_t(h)].at(whole[size_t(h)]);
+            ASSERT_EQ(part.unit_begin, seg.unit_begin) << where;
             ASSERT_EQ(part.kb_begin, next_kb) << where;
             next_kb = part.kb_end;
             ++gathered;
           }
-          ASSERT_EQ(next_kb, s.kblocks[seg.u >= units[0]]) << where;
+          ASSERT_EQ(next_kb, seg.kb_begin) << where;
         }
       ASSERT_EQ(gathered, spills.size()) << where;
     }
