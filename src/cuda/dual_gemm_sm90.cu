@@ -686,8 +686,10 @@ void sm90_dual_gemm(const Sm90Expert (&ex)[2], const DualGemmOptions& o, const T
   const DType in = ex[0].a->dtype;
   const int layout = (o.trans_a ? 2 : 0) + (o.trans_b ? 1 : 0);
   const bool tma_out = tma_epilogue(ex);
-  // MMFUSE_DUAL_GEMM_SCHEDULE: auto (make_schedule's rule), tiles or stream-k (for tests and measurements)
-  const int mode = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_SCHEDULE", {"auto", "tiles", "stream-k"});
+  // MMFUSE_DUAL_GEMM_SCHEDULE: auto (make_schedule's rule), tiles, stream-k or stream-k-all (for tests
+  // and measurements; the ScheduleMode values in this order)
+  const int mode =
+      env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_SCHEDULE", {"auto", "tiles", "stream-k", "stream-k-all"});
   auto go = [&](auto tag) {
     using T = decltype(tag);
     auto with = [&](auto tma) {

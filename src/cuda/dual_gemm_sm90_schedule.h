@@ -37,7 +37,10 @@
 namespace mmfuse {
 namespace detail {
 
-enum ScheduleMode : int { kScheduleAuto = 0, kScheduleTiles = 1, kScheduleStreamK = 2 };
+// kScheduleStreamKAll: stream-K with no whole-unit waves (every unit in the shares), for measurements:
+// whether desynchronising the clusters' epilogues, which under the other schedules store their tiles
+// at the same moments, is worth a split on every cluster.
+enum ScheduleMode : int { kScheduleAuto = 0, kScheduleTiles = 1, kScheduleStreamK = 2, kScheduleStreamKAll = 3 };
 
 struct Schedule {
   int units[2];        // units of each problem, in schedule order
@@ -130,9 +133,9 @@ inline long long schedule_iters(const Schedule& s, int n) {
 constexpr long long kSplitCost = 4;
 
 // The schedule of units[e] units of kblocks[e] k-blocks each on at most max_clusters clusters:
-// `mode` kScheduleTiles or kScheduleStreamK forces one (stream-K only where workspace_bytes holds
-// its slots); kScheduleAuto takes stream-K where its busiest cluster (whole units, its share and
-// kSplitCost) has less to do than the tiles schedule's, and the workspace holds it.
+// `mode` kScheduleTiles, kScheduleStreamK or kScheduleStreamKAll forces one (stream-K only where
+// workspace_bytes holds its slots); kScheduleAuto takes stream-K where its busiest cluster (whole
+// units, its share and kSplitCost) has less to do than the tiles schedule's, and the workspace holds it.
 inline Schedule make_schedule(const int (&units)[2], const int (&kblocks)[2], int max_clusters, int mode,
                               size_t workspace_bytes) {
   Schedule s{};
@@ -146,10 +149,10 @@ inline Schedule make_schedule(const int (&units)[2], const int (&kblocks)[2], in
   // stream-K: G clusters (at most one a k-block); whole units for all waves but the last full one
   const int sk_g = int(std::max(1LL, std::min<long long>(s.iters, max_clusters)));
   const int waves = s.total_units / sk_g;
-  const int dp = waves >= 2 ? (waves - 1) * sk_g : 0;
+  const int dp = waves >= 2 && mode != kScheduleStreamKAll ? (waves - 1) * sk_g : 0;
   const long long dp_iters = schedule_iters(s, dp);
   const long long sk_span = tiles_makespan(s, sk_g, dp) + (s.iters - dp_iters + sk_g - 1) / sk_g;
-  bool sk = mode == kScheduleStreamK ||
+  bool sk = mode == kScheduleStreamK || mode == kScheduleStreamKAll ||
             (mode == kScheduleAuto && tiles_makespan(s, tiles_g, s.total_units) > sk_span + kSplitCost);
   sk = sk && s.total_units > 0 && workspace_bytes >= schedule_workspace_bytes(sk_g);
   s.stream_k = sk ? 1 : 0;

@@ -148,7 +148,7 @@ def test_bad_input(monkeypatch):
                 mmfuse.dual_gemm(a8, w8, a8, w8)
             monkeypatch.setenv("MMFUSE_DUAL_GEMM_EPILOGUE", "auto")
             monkeypatch.setenv("MMFUSE_DUAL_GEMM_SCHEDULE", "split")
-            with pytest.raises(ValueError, match="MMFUSE_DUAL_GEMM_SCHEDULE: expected auto, tiles or stream-k, got 'split'"):
+            with pytest.raises(ValueError, match="MMFUSE_DUAL_GEMM_SCHEDULE: expected auto, tiles, stream-k or stream-k-all, got 'split'"):
                 mmfuse.dual_gemm(a8, w8, a8, w8)
 
 
