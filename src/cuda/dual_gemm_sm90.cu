@@ -20,8 +20,10 @@
 // each consumer warpgroup writes its 64 x 256 block a half at a time with stmatrix into its own
 // 16 KB staging buffer (128-byte swizzle, conflict-free) and one thread stores each half with TMA
 // (`cp.async.bulk.tensor`, clipped at the output's edges), waited for only before the buffer's next
-// use: the second half's stores overlap the next tile's main loop. Otherwise (fp32 outputs,
-// accumulation, other row lengths) the accumulators go straight from registers to global memory.
+// use. The second half waits for the first half's read of the buffer, so it is held in registers
+// (32 packed pairs a thread) and written during the next segment's second k-block, while that
+// segment's wgmma run. Otherwise (fp32 outputs, accumulation, other row lengths) the accumulators go
+// straight from registers to global memory.
 //
 // Layouts: K-major operands (a [m, k], w [n, k]) arrive as 64-wide (128-byte) boxes of rows;
 // M/N-major ones (a [k, m] with trans_a, w [k, n] without trans_b) as 64 x 64 boxes side by side,
@@ -81,6 +83,7 @@ struct Problem {
 struct Params {
   Problem p[2];  // in schedule order: p[0]'s units first
   Schedule s;
+  bool hold_half;             // TMA epilogue: a block's second half stored during the next segment's main loop
   float* partial;             // stream-K: kPartialFloats a workspace slot
   unsigned long long* flags;  // stream-K: a flag a slot, this launch's token once the slot's partial is written
 };
@@ -313,45 +316,76 @@ __device__ __forceinline__ uint32_t pack2(float v0, float v1) {
   return u;
 }
 
-// The TMA epilogue of consumer warpgroup c: its 64 x 256 block, rounded once, a half (64 x 128) at a
-// time into its staging buffer `buf` (two 64 x 64 boxes, 128-byte swizzle: the 16-byte chunk q of
-// row r at r * 128 + ((q ^ (r % 8)) * 16), so that each stmatrix writes 8 rows in distinct banks),
-// then one thread stores the boxes that lie inside the output. The buffer is refilled only after the
-// stores before have read it; the second half's stores complete while the next tile's main loop runs.
+// The TMA epilogue of consumer warpgroup c writes its 64 x 256 block, rounded once, a half (64 x
+// 128) at a time through its 16 KB staging buffer `buf` (two 64 x 64 boxes, 128-byte swizzle: the
+// 16-byte chunk q of row r at r * 128 + ((q ^ (r % 8)) * 16), so that each stmatrix writes 8 rows in
+// distinct banks); one thread stores the boxes that lie inside the output. Half h's packed pairs:
+// pair 2 j + i (j < 16, i < 2) holds fragment elements 4 (16 h + j) + 2 i + {0, 1}.
 template <class T>
-__device__ __forceinline__ void store_tile_tma(const float (&d)[128], unsigned char* buf, const CUtensorMap* map,
-                                               int n, int row0, int col0, int c) {
-  constexpr int kParts = 2, kBoxes = 2;  // halves of the block, boxes a half
+__device__ __forceinline__ uint32_t packed_pair(const float (&d)[128], int half, int p) {
+  const int jj = 16 * half + p / 2, i = p % 2;
+  return pack2<T>(d[4 * jj + 2 * i], d[4 * jj + 2 * i + 1]);
+}
+
+// One half through the staging buffer: waits until the buffer's previous stores have read it, writes
+// the 32 packed pairs that get(p) returns, and stores the half's boxes at columns col0 .. col0 + 127
+// (in this thread's bulk-async group; waited for only before the buffer's next use).
+template <class Get>
+__device__ __forceinline__ void store_half_tma(Get get, unsigned char* buf, const CUtensorMap* map, int n, int row0,
+                                               int col0, int c) {
+  constexpr int kBoxes = 2;
   const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
   const uint32_t base = cuda::smem_addr(buf);
   const int i = lane / 8, rr = lane % 8;       // the matrix this lane addresses, and its row in it
   const int r = 16 * warp + 8 * (i % 2) + rr;  // matrix i of step j: rows 8 (i % 2), columns 8 (j + i / 2)
+  if (tid == 0) cuda::bulk_wait_read<0>();     // the buffer's previous stores have read it
+  named_barrier(1 + c, 128);
 #pragma unroll
-  for (int part = 0; part < kParts; ++part) {
-    if (tid == 0) cuda::bulk_wait_read<0>();  // the buffer's previous stores have read it
-    named_barrier(1 + c, 128);
-#pragma unroll
-    for (int j = part * 8 * kBoxes; j < (part + 1) * 8 * kBoxes; j += 2) {
-      uint32_t v[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int jj = j + q / 2, h = q % 2;
-        v[q] = pack2<T>(d[4 * jj + 2 * h], d[4 * jj + 2 * h + 1]);
-      }
-      const int jj = j + i / 2;
-      stmatrix_x4(base + (jj / 8 % kBoxes) * kOutBoxBytes + r * 128 + (((jj % 8) ^ rr) << 4), v);
-    }
-    cuda::fence_proxy_async();  // the writes, visible to the TMA unit
-    named_barrier(1 + c, 128);
-    if (tid == 0) {
-#pragma unroll
-      for (int b = 0; b < kBoxes; ++b) {
-        const int col = col0 + 64 * (part * kBoxes + b);
-        if (col < n) tma_store(map, base + b * kOutBoxBytes, col, row0);
-      }
-      cuda::bulk_commit();
-    }
+  for (int j = 0; j < 8 * kBoxes; j += 2) {
+    const uint32_t v[4] = {get(2 * j), get(2 * j + 1), get(2 * j + 2), get(2 * j + 3)};
+    const int jj = j + i / 2;
+    stmatrix_x4(base + (jj / 8) * kOutBoxBytes + r * 128 + (((jj % 8) ^ rr) << 4), v);
   }
+  cuda::fence_proxy_async();  // the writes, visible to the TMA unit
+  named_barrier(1 + c, 128);
+  if (tid == 0) {
+#pragma unroll
+    for (int b = 0; b < kBoxes; ++b) {
+      const int col = col0 + 64 * b;
+      if (col < n) tma_store(map, base + b * kOutBoxBytes, col, row0);
+    }
+    cuda::bulk_commit();
+  }
+}
+
+// The second half of a block whose first half is stored: its packed pairs and where they go. Stored
+// during the next segment's second k-block (its wgmma run meanwhile), so that the wait for the first
+// half's read of the buffer costs the tensor cores nothing (MMFUSE_DUAL_GEMM_EPILOGUE=tma-serial
+// stores it at once instead, for measurements).
+struct HeldHalf {
+  uint32_t pairs[32];
+  const CUtensorMap* map;
+  int n, row0, col0;
+  bool held;
+};
+
+template <class T>
+__device__ __forceinline__ void store_block_tma(const float (&d)[128], unsigned char* buf, const CUtensorMap* map,
+                                                int n, int row0, int col0, int c, HeldHalf& h) {
+#pragma unroll
+  for (int p = 0; p < 32; ++p) h.pairs[p] = packed_pair<T>(d, 1, p);
+  h.map = map;
+  h.n = n;
+  h.row0 = row0;
+  h.col0 = col0 + 128;
+  h.held = true;
+  store_half_tma([&](int p) { return packed_pair<T>(d, 0, p); }, buf, map, n, row0, col0, c);
+}
+
+__device__ __forceinline__ void store_held_half(HeldHalf& h, unsigned char* buf, int c) {
+  if (!h.held) return;
+  store_half_tma([&](int p) { return h.pairs[p]; }, buf, h.map, h.n, h.row0, h.col0, c);
+  h.held = false;
 }
 
 struct TileCoord {
@@ -500,6 +534,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty[s], r);
     };
     const unsigned long long token = prm.s.stream_k ? launch_token() : 0;
+    unsigned char* buf = out_buf + c * kOutBytes;  // kTmaOut: this warpgroup's staging buffer
+    HeldHalf held;
+    held.held = false;
     Walk w = walk_start(prm.s, cluster);
     Segment seg;
     while (next_segment(prm.s, w, seg)) {
@@ -520,6 +557,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           wgmma_n256<T, TA, TB>(d, da, db, (kb > seg.kb_begin || kk > 0) ? 1 : 0);
         }
         wgmma_commit();
+        // the last block's second half, while this k-block's and the previous one's wgmma run
+        if (kTmaOut && kb == seg.kb_begin + 1) store_held_half(held, buf, c);
         wgmma_wait<1>();  // the previous stage's wgmma are done: release it
         fence_acc(d);
         if (prev >= 0 && threadIdx.x % 32 == 0) release(prev);
@@ -532,6 +571,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       fence_acc(d);
       if (prev >= 0 && threadIdx.x % 32 == 0) release(prev);
+      if (kTmaOut) store_held_half(held, buf, c);  // (a segment of one k-block)
       const Problem& p = prm.p[tc.e];
       const bool rows = tc.m0 + 64 * c < p.m;  // the warpgroup's block holds output rows
       if (seg.spill) {
@@ -540,13 +580,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (seg.gather && rows) gather_partials(d, prm, cluster, rank, c, seg.unit_begin, token);
       if constexpr (kTmaOut) {
-        if (rows)
-          store_tile_tma<T>(d, out_buf + c * kOutBytes, tc.e ? &mo1 : &mo0, p.n, tc.m0 + 64 * c, tc.n0, c);
+        if (rows) {
+          store_block_tma<T>(d, buf, tc.e ? &mo1 : &mo0, p.n, tc.m0 + 64 * c, tc.n0, c, held);
+          if (!prm.hold_half) store_held_half(held, buf, c);
+        }
       } else {
         store_tile<T>(d, p, tc.m0 + 64 * c, tc.n0);
       }
     }
-    if (kTmaOut && threadIdx.x % 128 == 0) cuda::bulk_wait_all();  // the last stores complete before exit
+    if (kTmaOut) {
+      store_held_half(held, buf, c);
+      if (threadIdx.x % 128 == 0) cuda::bulk_wait_all();  // the last stores complete before exit
+    }
   }
   cluster_sync();  // neither CTA exits while the other may still arrive on its barriers
 #endif  // MMFUSE_SM90A
@@ -583,7 +628,8 @@ CUtensorMap operand_map(const TensorView& v, int box_rows) {
 }
 
 template <class T, bool TA, bool TB, bool kTmaOut>
-void launch(const Sm90Expert (&ex)[2], bool accumulate, int mode, const TensorView& ws, cudaStream_t stream) {
+void launch(const Sm90Expert (&ex)[2], bool accumulate, int mode, bool hold_half, const TensorView& ws,
+            cudaStream_t stream) {
   auto kernel = dual_gemm_sm90_kernel<T, TA, TB, kTmaOut>;
   constexpr int kSmem = kSmemBytes<kTmaOut>;
   const int dev = cuda::current_device();
@@ -613,6 +659,7 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, int mode, const TensorVi
   });
   // schedule order: the costlier tiles (larger k) first, then the problem with more tiles
   Params prm{};
+  prm.hold_half = hold_half;
   CUtensorMap maps[2][3];  // a, w and out (kTmaOut) of each problem
   int unit_count[2], kblocks[2];
   int order[2] = {0, 1};
@@ -651,21 +698,26 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, int mode, const TensorVi
       cudaLaunchKernelEx(&cfg, kernel, maps[0][0], maps[0][1], maps[1][0], maps[1][1], maps[0][2], maps[1][2], prm));
 }
 
-// The TMA epilogue where every non-empty output is in the input dtype, contiguous with rows of a
-// multiple of 16 bytes (n % 8 == 0) at a 16-byte-aligned address (TMA's rules); else the register
-// epilogue. MMFUSE_DUAL_GEMM_EPILOGUE=registers forces the register epilogue (for tests and
-// measurements). H100 2026-12-05 19:25, persistent us, TMA / registers: tiny-small fwd 74.4 / 92.0,
-// dW 85.0 / 117.7; large fwd 522.5 / 597.0.
-bool tma_epilogue(const Sm90Expert (&ex)[2]) {
-  if (env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_EPILOGUE", {"auto", "registers"}) == 1) return false;
+// The epilogue, MMFUSE_DUAL_GEMM_EPILOGUE (the last two for tests and measurements):
+// - auto: the TMA epilogue where every non-empty output is in the input dtype, contiguous with rows of
+//   a multiple of 16 bytes (n % 8 == 0) at a 16-byte-aligned address (TMA's rules), a block's second
+//   half stored during the next segment's main loop; else the register epilogue;
+// - registers: the register epilogue;
+// - tma-serial: as auto, but both halves stored before the next segment.
+// H100 2026-12-05 19:25, persistent us, TMA (serial) / registers: tiny-small fwd 74.4 / 92.0, dW
+// 85.0 / 117.7; large fwd 522.5 / 597.0. The held second half: not yet measured.
+enum EpilogueKind : int { kEpilogueRegisters = 0, kEpilogueTmaSerial = 1, kEpilogueTmaHeld = 2 };
+EpilogueKind epilogue_kind(const Sm90Expert (&ex)[2]) {
+  const int knob = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_EPILOGUE", {"auto", "registers", "tma-serial"});
+  if (knob == 1) return kEpilogueRegisters;
   for (const Sm90Expert& x : ex) {
     if (x.m == 0 || x.n == 0) continue;
     const TensorView& o = *x.out;
     const bool ok = o.dtype == x.a->dtype && x.n % 8 == 0 && o.stride[1] == 1 && (x.m == 1 || o.stride[0] == x.n) &&
                     reinterpret_cast<uintptr_t>(o.data) % 16 == 0;
-    if (!ok) return false;
+    if (!ok) return kEpilogueRegisters;
   }
-  return true;
+  return knob == 2 ? kEpilogueTmaSerial : kEpilogueTmaHeld;
 }
 
 }  // namespace
@@ -685,7 +737,8 @@ bool sm90_dual_gemm_supported(int device) {
 void sm90_dual_gemm(const Sm90Expert (&ex)[2], const DualGemmOptions& o, const TensorView& ws, cudaStream_t stream) {
   const DType in = ex[0].a->dtype;
   const int layout = (o.trans_a ? 2 : 0) + (o.trans_b ? 1 : 0);
-  const bool tma_out = tma_epilogue(ex);
+  const EpilogueKind epilogue = epilogue_kind(ex);
+  const bool hold_half = epilogue == kEpilogueTmaHeld;
   // MMFUSE_DUAL_GEMM_SCHEDULE: auto (make_schedule's rule), tiles, stream-k or stream-k-all (for tests
   // and measurements; the ScheduleMode values in this order)
   const int mode =
@@ -695,13 +748,13 @@ void sm90_dual_gemm(const Sm90Expert (&ex)[2], const DualGemmOptions& o, const T
     auto with = [&](auto tma) {
       constexpr bool kTma = decltype(tma)::value;
       switch (layout) {
-        case 0: return launch<T, false, false, kTma>(ex, o.accumulate, mode, ws, stream);
-        case 1: return launch<T, false, true, kTma>(ex, o.accumulate, mode, ws, stream);
-        case 2: return launch<T, true, false, kTma>(ex, o.accumulate, mode, ws, stream);
-        default: return launch<T, true, true, kTma>(ex, o.accumulate, mode, ws, stream);
+        case 0: return launch<T, false, false, kTma>(ex, o.accumulate, mode, hold_half, ws, stream);
+        case 1: return launch<T, false, true, kTma>(ex, o.accumulate, mode, hold_half, ws, stream);
+        case 2: return launch<T, true, false, kTma>(ex, o.accumulate, mode, hold_half, ws, stream);
+        default: return launch<T, true, true, kTma>(ex, o.accumulate, mode, hold_half, ws, stream);
       }
     };
-    if (tma_out)
+    if (epilogue != kEpilogueRegisters)
       with(std::true_type{});
     else
       with(std::false_type{});

@@ -324,8 +324,9 @@ TEST(DualGemmCuda, PersistentKernelAgainstFloat64) {
     for (bool ta : {false, true})
       for (bool tb : {false, true})
         for (const auto& s : aligned) {
-          // 16-bit outputs with rows of 16-byte multiples: the TMA epilogue, and the register one forced
-          for (const char* epilogue : {"auto", "registers"}) {
+          // 16-bit outputs with rows of 16-byte multiples: the TMA epilogue (a block's second half stored
+          // during the next segment, or at once), and the register one forced
+          for (const char* epilogue : {"auto", "tma-serial", "registers"}) {
             ScopedEnv env("MMFUSE_DUAL_GEMM_EPILOGUE", epilogue);
             check_dual<bf16, bf16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);
             check_dual<f16, f16>(rng, s[0], s[1], ta, tb, false, Run::kPersistent);

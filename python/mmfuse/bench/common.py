@@ -49,7 +49,7 @@ def time_us(fn: Callable[[], object], device: str, warmup: int = 5, iters: int =
 @contextlib.contextmanager
 def env(name: str, value: Optional[str]):
     """Environment variable `name` set to `value` (None: unset) inside the block: the CUDA backends
-    read their path knobs (MMFUSE_DUAL_GEMM_PATH, MMFUSE_DUAL_GEMM_SCHEDULE, MMFUSE_MOE_PLAN, MMFUSE_MOE_BWD)
+    read their path knobs (MMFUSE_DUAL_GEMM_PATH, _SCHEDULE, _EPILOGUE, MMFUSE_MOE_PLAN, MMFUSE_MOE_BWD)
     at every call."""
     old = os.environ.get(name)
     if value is None:
