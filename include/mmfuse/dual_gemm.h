@@ -18,9 +18,9 @@
 // problems (TMA, wgmma; bf16 / fp16 with 16-byte-aligned operands and row strides). A shape
 // heuristic picks the path; the environment variable MMFUSE_DUAL_GEMM_PATH = cublaslt | persistent
 // forces one (for tests and measurements; persistent falls back to cuBLASLt where the kernel cannot
-// take the operands); MMFUSE_DUAL_GEMM_SCHEDULE = tiles | stream-k | stream-k-all forces the
-// persistent kernel's schedule (whole output tiles a cluster; or k split across clusters, for the
-// last waves or for all of the work, through fp32 partials in the workspace, summed in a fixed order). Today the heuristic picks cuBLASLt everywhere: the persistent
+// take the operands); MMFUSE_DUAL_GEMM_SCHEDULE = tiles | stream-k forces the persistent kernel's
+// schedule (whole output tiles a cluster, or k split across clusters through fp32 partials in the
+// workspace, summed in a fixed order). Today the heuristic picks cuBLASLt everywhere: the persistent
 // kernel is correct but slower on every measured shape (docs/benchmarks.md; stream-K not yet measured).
 #pragma once
 

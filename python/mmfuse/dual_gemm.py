@@ -5,10 +5,9 @@ stream, descriptors and algorithms cached per problem, no host sync). A persiste
 both problems' tiles (TMA, wgmma) also exists; it is exact, but at best equal to cuBLASLt (the
 small-expert shapes' forward and dW) and slower elsewhere, so the path heuristic does not pick it.
 ``MMFUSE_DUAL_GEMM_PATH=cublaslt`` or ``=persistent`` in the environment forces a path, and
-``MMFUSE_DUAL_GEMM_SCHEDULE=tiles``, ``=stream-k`` or ``=stream-k-all`` the persistent kernel's
-schedule (whole output tiles a cluster; or k split across clusters for the last waves, or for all of
-the work, and summed in a fixed order; not yet measured on a GPU); both are read at each call, for
-tests and measurements.
+``MMFUSE_DUAL_GEMM_SCHEDULE=tiles`` or ``=stream-k`` the persistent kernel's schedule (whole output
+tiles a cluster, or k split across clusters and summed in a fixed order; not yet measured on a GPU);
+both are read at each call, for tests and measurements.
 """
 
 from typing import Optional, Tuple

@@ -83,7 +83,6 @@ struct Problem {
 struct Params {
   Problem p[2];  // in schedule order: p[0]'s units first
   Schedule s;
-  bool hold_half;             // TMA epilogue: a block's second half stored during the next segment's main loop
   float* partial;             // stream-K: kPartialFloats a workspace slot
   unsigned long long* flags;  // stream-K: a flag a slot, this launch's token once the slot's partial is written
 };
@@ -360,8 +359,7 @@ __device__ __forceinline__ void store_half_tma(Get get, unsigned char* buf, cons
 
 // The second half of a block whose first half is stored: its packed pairs and where they go. Stored
 // during the next segment's second k-block (its wgmma run meanwhile), so that the wait for the first
-// half's read of the buffer costs the tensor cores nothing (MMFUSE_DUAL_GEMM_EPILOGUE=tma-serial
-// stores it at once instead, for measurements).
+// half's read of the buffer costs the tensor cores nothing.
 struct HeldHalf {
   uint32_t pairs[32];
   const CUtensorMap* map;
@@ -580,10 +578,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (seg.gather && rows) gather_partials(d, prm, cluster, rank, c, seg.unit_begin, token);
       if constexpr (kTmaOut) {
-        if (rows) {
-          store_block_tma<T>(d, buf, tc.e ? &mo1 : &mo0, p.n, tc.m0 + 64 * c, tc.n0, c, held);
-          if (!prm.hold_half) store_held_half(held, buf, c);
-        }
+        if (rows) store_block_tma<T>(d, buf, tc.e ? &mo1 : &mo0, p.n, tc.m0 + 64 * c, tc.n0, c, held);
       } else {
         store_tile<T>(d, p, tc.m0 + 64 * c, tc.n0);
       }
@@ -628,8 +623,7 @@ CUtensorMap operand_map(const TensorView& v, int box_rows) {
 }
 
 template <class T, bool TA, bool TB, bool kTmaOut>
-void launch(const Sm90Expert (&ex)[2], bool accumulate, int mode, bool hold_half, const TensorView& ws,
-            cudaStream_t stream) {
+void launch(const Sm90Expert (&ex)[2], bool accumulate, int mode, const TensorView& ws, cudaStream_t stream) {
   auto kernel = dual_gemm_sm90_kernel<T, TA, TB, kTmaOut>;
   constexpr int kSmem = kSmemBytes<kTmaOut>;
   const int dev = cuda::current_device();
@@ -659,7 +653,6 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, int mode, bool hold_half
   });
   // schedule order: the costlier tiles (larger k) first, then the problem with more tiles
   Params prm{};
-  prm.hold_half = hold_half;
   CUtensorMap maps[2][3];  // a, w and out (kTmaOut) of each problem
   int unit_count[2], kblocks[2];
   int order[2] = {0, 1};
@@ -698,26 +691,24 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, int mode, bool hold_half
       cudaLaunchKernelEx(&cfg, kernel, maps[0][0], maps[0][1], maps[1][0], maps[1][1], maps[0][2], maps[1][2], prm));
 }
 
-// The epilogue, MMFUSE_DUAL_GEMM_EPILOGUE (the last two for tests and measurements):
-// - auto: the TMA epilogue where every non-empty output is in the input dtype, contiguous with rows of
-//   a multiple of 16 bytes (n % 8 == 0) at a 16-byte-aligned address (TMA's rules), a block's second
-//   half stored during the next segment's main loop; else the register epilogue;
-// - registers: the register epilogue;
-// - tma-serial: as auto, but both halves stored before the next segment.
-// H100 2026-12-05 19:25, persistent us, TMA (serial) / registers: tiny-small fwd 74.4 / 92.0, dW
-// 85.0 / 117.7; large fwd 522.5 / 597.0. The held second half: not yet measured.
-enum EpilogueKind : int { kEpilogueRegisters = 0, kEpilogueTmaSerial = 1, kEpilogueTmaHeld = 2 };
-EpilogueKind epilogue_kind(const Sm90Expert (&ex)[2]) {
-  const int knob = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_EPILOGUE", {"auto", "registers", "tma-serial"});
-  if (knob == 1) return kEpilogueRegisters;
+// The TMA epilogue where every non-empty output is in the input dtype, contiguous with rows of a
+// multiple of 16 bytes (n % 8 == 0) at a 16-byte-aligned address (TMA's rules); else the register
+// epilogue. MMFUSE_DUAL_GEMM_EPILOGUE=registers forces the register epilogue (for tests and
+// measurements). Persistent us, H100 2026-12-05 19:25, TMA (second half stored before the next
+// tile) / registers: tiny-small fwd 74.4 / 92.0, dW 85.0 / 117.7; large fwd 522.5 / 597.0. The held
+// second half against storing it before the next tile (21:28, the tiles schedule): 0-2 % faster on
+// 11 of the 12 benchmark GEMMs (large fwd 510.4 / 513.7, VLA down dX 501.6 / 511.7), the twelfth
+// within 0.2 %.
+bool tma_epilogue(const Sm90Expert (&ex)[2]) {
+  if (env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_EPILOGUE", {"auto", "registers"}) == 1) return false;
   for (const Sm90Expert& x : ex) {
     if (x.m == 0 || x.n == 0) continue;
     const TensorView& o = *x.out;
     const bool ok = o.dtype == x.a->dtype && x.n % 8 == 0 && o.stride[1] == 1 && (x.m == 1 || o.stride[0] == x.n) &&
                     reinterpret_cast<uintptr_t>(o.data) % 16 == 0;
-    if (!ok) return kEpilogueRegisters;
+    if (!ok) return false;
   }
-  return knob == 2 ? kEpilogueTmaSerial : kEpilogueTmaHeld;
+  return true;
 }
 
 }  // namespace
@@ -737,24 +728,21 @@ bool sm90_dual_gemm_supported(int device) {
 void sm90_dual_gemm(const Sm90Expert (&ex)[2], const DualGemmOptions& o, const TensorView& ws, cudaStream_t stream) {
   const DType in = ex[0].a->dtype;
   const int layout = (o.trans_a ? 2 : 0) + (o.trans_b ? 1 : 0);
-  const EpilogueKind epilogue = epilogue_kind(ex);
-  const bool hold_half = epilogue == kEpilogueTmaHeld;
-  // MMFUSE_DUAL_GEMM_SCHEDULE: auto (make_schedule's rule), tiles, stream-k or stream-k-all (for tests
-  // and measurements; the ScheduleMode values in this order)
-  const int mode =
-      env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_SCHEDULE", {"auto", "tiles", "stream-k", "stream-k-all"});
+  const bool tma_out = tma_epilogue(ex);
+  // MMFUSE_DUAL_GEMM_SCHEDULE: auto (make_schedule's rule), tiles or stream-k (for tests and measurements)
+  const int mode = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_SCHEDULE", {"auto", "tiles", "stream-k"});
   auto go = [&](auto tag) {
     using T = decltype(tag);
     auto with = [&](auto tma) {
       constexpr bool kTma = decltype(tma)::value;
       switch (layout) {
-        case 0: return launch<T, false, false, kTma>(ex, o.accumulate, mode, hold_half, ws, stream);
-        case 1: return launch<T, false, true, kTma>(ex, o.accumulate, mode, hold_half, ws, stream);
-        case 2: return launch<T, true, false, kTma>(ex, o.accumulate, mode, hold_half, ws, stream);
-        default: return launch<T, true, true, kTma>(ex, o.accumulate, mode, hold_half, ws, stream);
+        case 0: return launch<T, false, false, kTma>(ex, o.accumulate, mode, ws, stream);
+        case 1: return launch<T, false, true, kTma>(ex, o.accumulate, mode, ws, stream);
+        case 2: return launch<T, true, false, kTma>(ex, o.accumulate, mode, ws, stream);
+        default: return launch<T, true, true, kTma>(ex, o.accumulate, mode, ws, stream);
       }
     };
-    if (epilogue != kEpilogueRegisters)
+    if (tma_out)
       with(std::true_type{});
     else
       with(std::false_type{});

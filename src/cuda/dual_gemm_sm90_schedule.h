@@ -37,10 +37,7 @@
 namespace mmfuse {
 namespace detail {
 
-// kScheduleStreamKAll: stream-K with no whole-unit waves (every unit in the shares), for measurements:
-// whether desynchronising the clusters' epilogues, which under the other schedules store their tiles
-// at the same moments, is worth a split on every cluster.
-enum ScheduleMode : int { kScheduleAuto = 0, kScheduleTiles = 1, kScheduleStreamK = 2, kScheduleStreamKAll = 3 };
+enum ScheduleMode : int { kScheduleAuto = 0, kScheduleTiles = 1, kScheduleStreamK = 2 };
 
 struct Schedule {
   int units[2];        // units of each problem, in schedule order
@@ -128,14 +125,20 @@ inline long long schedule_iters(const Schedule& s, int n) {
   return (long long)first * s.kblocks[0] + (long long)(n - first) * s.kblocks[1];
 }
 
-// What splitting costs a cluster on top of its k-blocks, in k-blocks (a spill's 64 KB stores a
-// warpgroup, a gather's loads and adds). An estimate, not yet measured: docs/benchmarks.md.
+// Auto takes stream-K only for units of at least kStreamKMinKBlocks k-blocks (k >= 4096), and where
+// its busiest cluster (whole units plus its share) has more than kSplitCost k-blocks less to do than
+// the tiles schedule's. Measured (H100, 2026-12-05 21:28, docs/benchmarks.md), stream-K against tiles
+// on the 12 benchmark GEMMs: 1.6-28 % faster on all 7 whose units have 128-344 k-blocks; on the 5
+// whose units have 16-32, from 0.2 % faster to 12 % slower. A unit of 16-32 k-blocks lasts 11-22 us,
+// so a split's fixed costs weigh more there: the fp32 partials written and added, and (likely) the
+// clusters' shares starting at different k, so that clusters no longer read the same operand blocks
+// at the same time as under the tiles order.
+constexpr int kStreamKMinKBlocks = 64;
 constexpr long long kSplitCost = 4;
 
 // The schedule of units[e] units of kblocks[e] k-blocks each on at most max_clusters clusters:
-// `mode` kScheduleTiles, kScheduleStreamK or kScheduleStreamKAll forces one (stream-K only where
-// workspace_bytes holds its slots); kScheduleAuto takes stream-K where its busiest cluster (whole
-// units, its share and kSplitCost) has less to do than the tiles schedule's, and the workspace holds it.
+// `mode` kScheduleTiles or kScheduleStreamK forces one (stream-K only where workspace_bytes holds its
+// slots); kScheduleAuto as above.
 inline Schedule make_schedule(const int (&units)[2], const int (&kblocks)[2], int max_clusters, int mode,
                               size_t workspace_bytes) {
   Schedule s{};
@@ -149,11 +152,12 @@ inline Schedule make_schedule(const int (&units)[2], const int (&kblocks)[2], in
   // stream-K: G clusters (at most one a k-block); whole units for all waves but the last full one
   const int sk_g = int(std::max(1LL, std::min<long long>(s.iters, max_clusters)));
   const int waves = s.total_units / sk_g;
-  const int dp = waves >= 2 && mode != kScheduleStreamKAll ? (waves - 1) * sk_g : 0;
+  const int dp = waves >= 2 ? (waves - 1) * sk_g : 0;
   const long long dp_iters = schedule_iters(s, dp);
   const long long sk_span = tiles_makespan(s, sk_g, dp) + (s.iters - dp_iters + sk_g - 1) / sk_g;
-  bool sk = mode == kScheduleStreamK || mode == kScheduleStreamKAll ||
-            (mode == kScheduleAuto && tiles_makespan(s, tiles_g, s.total_units) > sk_span + kSplitCost);
+  bool sk = mode == kScheduleStreamK ||
+            (mode == kScheduleAuto && s.kblocks[0] >= kStreamKMinKBlocks &&
+             tiles_makespan(s, tiles_g, s.total_units) > sk_span + kSplitCost);
   sk = sk && s.total_units > 0 && workspace_bytes >= schedule_workspace_bytes(sk_g);
   s.stream_k = sk ? 1 : 0;
   s.clusters = sk ? sk_g : tiles_g;

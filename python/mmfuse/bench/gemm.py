@@ -4,8 +4,7 @@ bf16 GEMM ceiling (8192^3) of the same run. Shapes are ``m x k x n`` an expert (
 
 Columns: time of the path the heuristic picks (``mmfuse``) and of each path forced
 (``MMFUSE_DUAL_GEMM_PATH``: ``cublaslt``, ``persistent`` under each ``MMFUSE_DUAL_GEMM_SCHEDULE``:
-``tiles``, ``stream-k``, ``stream-k-all``; and tiles with ``MMFUSE_DUAL_GEMM_EPILOGUE=tma-serial``,
-the epilogue's second half stored before the next tile instead of during its main loop), TFLOP/s, ``% ideal`` = ``(F0 + F1) / R_big``
+``tiles``, ``stream-k``), TFLOP/s, ``% ideal`` = ``(F0 + F1) / R_big``
 over our time, where ``R_big`` is cuBLAS's rate on the big problem alone (issue 5's target: >= 98 %),
 and the speedup over the two cuBLAS calls. Each path's output is checked against torch.matmul."""
 
@@ -65,7 +64,7 @@ def run(device: str, quick: bool = False) -> dict:
     rows = []
     print(f"\n## dual GEMM ({dt}; fp32 accumulate; baseline = two torch.matmul calls)")
     hdr = (f"| {'case':<46} | {'GEMM':<4} | {'mmfuse us':>9} | {'cuBLASLt us':>11} | {'tiles us':>8} | "
-           f"{'stream-K us':>11} | {'stream-K all us':>15} | {'tiles serial epi us':>19} | "
+           f"{'stream-K us':>11} | "
            f"{'2x cuBLAS us':>12} | {'big alone us':>12} | {'TFLOP/s':>7} | {'% ideal':>7} | {'speedup':>7} | verified |")
     print(hdr)
     print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
@@ -75,17 +74,13 @@ def run(device: str, quick: bool = False) -> dict:
             (a1, w1), _, ref1, f1 = _problems(s1, which, dt, device, g)
             refs = (ref0(), ref1())
             verdicts, times = [], {}
-            # (key, path, schedule, epilogue)
-            variants = ((None, None, None, None), ("cublaslt", "cublaslt", None, None),
-                        ("tiles", "persistent", "tiles", None), ("stream-k", "persistent", "stream-k", None),
-                        ("stream-k-all", "persistent", "stream-k-all", None),
-                        ("serial", "persistent", "tiles", "tma-serial"))
-            for key, path, schedule, epilogue in variants if device == "cuda" else variants[:1]:
-                with env("MMFUSE_DUAL_GEMM_PATH", path), env("MMFUSE_DUAL_GEMM_SCHEDULE", schedule), \
-                        env("MMFUSE_DUAL_GEMM_EPILOGUE", epilogue):
+            variants = ((None, None), ("cublaslt", None), ("persistent", "tiles"), ("persistent", "stream-k"))
+            for path, schedule in variants if device == "cuda" else variants[:1]:
+                with env("MMFUSE_DUAL_GEMM_PATH", path), env("MMFUSE_DUAL_GEMM_SCHEDULE", schedule):
                     ours = mmfuse.dual_gemm(a0, w0, a1, w1, ta, tb)
                     verdicts.append(_verify(ours, refs))
-                    times[key], _ = time_us(lambda: mmfuse.dual_gemm(a0, w0, a1, w1, ta, tb), device, **it)
+                    times[schedule or path], _ = time_us(lambda: mmfuse.dual_gemm(a0, w0, a1, w1, ta, tb), device,
+                                                         **it)
             verified = next((v for v in verdicts if v.startswith("FAIL")), verdicts[0])
             t_ours = times[None]
             t_two, _ = time_us(lambda: (ref0(), ref1()), device, **it)
@@ -93,13 +88,12 @@ def run(device: str, quick: bool = False) -> dict:
             ideal_us = t_big * (f0 + f1) / f0
             row = dict(case=name, gemm=which, us=t_ours, cublaslt_us=times.get("cublaslt", t_ours),
                        tiles_us=times.get("tiles", t_ours), stream_k_us=times.get("stream-k", t_ours),
-                       stream_k_all_us=times.get("stream-k-all", t_ours), serial_epi_us=times.get("serial", t_ours),
                        two_cublas_us=t_two, big_alone_us=t_big,
                        tflops=(f0 + f1) / (t_ours * 1e-6) / 1e12, pct_ideal=100 * ideal_us / t_ours,
                        speedup=t_two / t_ours, verified=verified)
             rows.append(row)
             print(f"| {name:<46} | {which:<4} | {t_ours:9.1f} | {row['cublaslt_us']:11.1f} | {row['tiles_us']:8.1f} | "
-                  f"{row['stream_k_us']:11.1f} | {row['stream_k_all_us']:15.1f} | {row['serial_epi_us']:19.1f} | "
+                  f"{row['stream_k_us']:11.1f} | "
                   f"{t_two:12.1f} | {t_big:12.1f} | {row['tflops']:7.0f} | "
                   f"{row['pct_ideal']:7.1f} | {row['speedup']:6.2f}x | {verified:<8} |")
             del a0, w0, a1, w1, ours, refs
