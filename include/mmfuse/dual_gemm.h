@@ -21,7 +21,8 @@
 // take the operands); MMFUSE_DUAL_GEMM_SCHEDULE = tiles | stream-k forces the persistent kernel's
 // schedule (whole output tiles a cluster, or k split across clusters through fp32 partials in the
 // workspace, summed in a fixed order). Today the heuristic picks cuBLASLt everywhere: the persistent
-// kernel is correct but slower on every measured shape (docs/benchmarks.md; stream-K not yet measured).
+// kernel is correct, but at best 1-2 % faster (3 of the 12 benchmark GEMMs, within the spread between
+// runs) and slower elsewhere (docs/benchmarks.md, 2026-12-05 21:28).
 #pragma once
 
 #include "mmfuse/common.h"

@@ -2,12 +2,13 @@
 ``out_e = op(a_e) @ op(w_e)`` for ``e`` in {0, 1}, the experts free to differ in m, n and k.
 Differentiable in all four inputs. CPU, and CUDA through cuBLASLt (one matmul an expert on the current
 stream, descriptors and algorithms cached per problem, no host sync). A persistent sm_90a kernel over
-both problems' tiles (TMA, wgmma) also exists; it is exact, but at best equal to cuBLASLt (the
-small-expert shapes' forward and dW) and slower elsewhere, so the path heuristic does not pick it.
-``MMFUSE_DUAL_GEMM_PATH=cublaslt`` or ``=persistent`` in the environment forces a path, and
-``MMFUSE_DUAL_GEMM_SCHEDULE=tiles`` or ``=stream-k`` the persistent kernel's schedule (whole output
-tiles a cluster, or k split across clusters and summed in a fixed order; not yet measured on a GPU);
-both are read at each call, for tests and measurements.
+both problems' tiles (TMA, wgmma) also exists; it is exact, but at best 1-2 % faster than cuBLASLt
+(the small-expert shapes' forward and dW, one backward of the VLA shapes: within the spread between
+runs) and slower elsewhere, so the path heuristic does not pick it. ``MMFUSE_DUAL_GEMM_PATH=cublaslt``
+or ``=persistent`` in the environment forces a path, and ``MMFUSE_DUAL_GEMM_SCHEDULE=tiles`` or
+``=stream-k`` the persistent kernel's schedule (whole output tiles a cluster, or k split across
+clusters and summed in a fixed order; by default stream-K for k >= 4096 where it levels the clusters'
+work); both are read at each call, for tests and measurements.
 """
 
 from typing import Optional, Tuple

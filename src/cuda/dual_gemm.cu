@@ -130,7 +130,7 @@ bool sm90_can_take(const Sm90Expert (&ex)[2], int device) {
 // dX / dW, m 256-8192, k 1024-11008) has the persistent kernel at 0.32-0.91x of the cuBLASLt path
 // on every shape; with the TMA epilogue (H100 2026-12-05 19:25, the benchmark's 4 shape pairs) at
 // 1.00x on the tiny-small fwd and dW, 0.63x on its dX (few output tiles, no split of k) and
-// 0.86-0.96x elsewhere. So auto is cuBLASLt everywhere until the kernel wins somewhere.
+// 0.86-0.97x elsewhere. So auto is cuBLASLt everywhere until the kernel wins somewhere.
 enum class Path { kLibrary, kPersistent };
 Path choose_path(const Sm90Expert (&ex)[2], int device) {
   const int forced = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_PATH", {"auto", "cublaslt", "persistent"});

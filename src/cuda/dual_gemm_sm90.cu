@@ -33,10 +33,10 @@
 // The kernel needs 16-byte-aligned operands with row strides a multiple of 16 bytes (TMA) and an
 // sm_90a cubin; dual_gemm.cu asks sm90_dual_gemm_supported() and otherwise uses the cuBLASLt path.
 // Measured (docs/benchmarks.md): with the register epilogue only, 0.3-0.9x of the cuBLASLt path (H200,
-// 2026-12-04 21:10-21:21; those stores cost 18-37 % of its time); with the TMA epilogue 1.00x on the
-// tiny-small forward and dW and 0.63-0.96x elsewhere (H100, 2026-12-05 19:25), so the heuristic does
-// not pick it yet. Those runs had the tiles schedule only; stream-K (2026-12-05, for problems with
-// fewer units than clusters and for the last partial wave) has not yet run on a GPU.
+// 2026-12-04 21:10-21:21; those stores cost 18-37 % of its time); with the TMA epilogue, the held
+// half and the auto schedule (H100, 2026-12-05 21:28) 1.01-1.02x on the tiny-small forward and dW
+// and the VLA down dW, 0.86-0.97x elsewhere: wins within the spread between runs, so the path
+// heuristic does not pick it yet.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime)
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
