@@ -130,7 +130,10 @@ bool sm90_can_take(const Sm90Expert (&ex)[2], int device) {
 // dX / dW, m 256-8192, k 1024-11008) has the persistent kernel at 0.32-0.91x of the cuBLASLt path
 // on every shape; with the TMA epilogue (H100 2026-12-05 19:25, the benchmark's 4 shape pairs) at
 // 1.00x on the tiny-small fwd and dW, 0.63x on its dX (few output tiles, no split of k) and
-// 0.86-0.97x elsewhere. So auto is cuBLASLt everywhere until the kernel wins somewhere.
+// 0.86-0.97x elsewhere; with the held epilogue half and the auto schedule (tiles, or stream-K for
+// k >= 4096; H100 21:28) at 1.01-1.02x on the tiny-small fwd and dW and the VLA down dW, 0.86-0.97x
+// elsewhere. Those wins are within the spread between runs (cuBLASLt's tiny-small fwd measured
+// 73.4-74.6 us in three runs), so auto stays cuBLASLt everywhere until a win holds across runs.
 enum class Path { kLibrary, kPersistent };
 Path choose_path(const Sm90Expert (&ex)[2], int device) {
   const int forced = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_PATH", {"auto", "cublaslt", "persistent"});
