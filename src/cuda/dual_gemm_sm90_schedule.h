@@ -20,8 +20,9 @@
 // first (only a share's first, which its cluster runs last) waits for the flags of clusters h .. g -
 // 1, adds their partials in that order and stores the unit: it "gathers". The sum order depends on
 // the shapes and G alone, so results are bitwise reproducible. A cluster spills before it waits on
-// anything, and waits only on clusters of lower index, which the GPU starts first: the kernel cannot
-// deadlock even when other work keeps some of its clusters from being resident at once. The
+// anything, and waits only on clusters of lower index, which the GPU starts first (it dispatches
+// blocks in index order in practice; CUDA does not promise it): so the kernel does not deadlock
+// when other work keeps some of its clusters from being resident at once. The
 // gathering cluster meets the unit at the end of its share, long after the spills it needs.
 #pragma once
 
