@@ -18,6 +18,14 @@ def time_us(fn: Callable[[], object], device: str, warmup: int = 5, iters: int =
     fn's launches before the GPU reaches them: the sample is the GPU time of fn's kernels, without
     the host's launch latency (reported separately as host overhead). On the CPU it is wall time.
     """
+    cycles = _warm_up(fn, device, warmup)
+    times = [_sample(fn, device, cycles) for _ in range(iters)]
+    return statistics.median(times), max(times) - min(times)
+
+
+def _warm_up(fn: Callable[[], object], device: str, warmup: int) -> int:
+    """Runs fn `warmup` times; returns the sleep (cycles) that outlasts the host's enqueueing of fn
+    twice over (about 2000 cycles a microsecond), at least ~0.5 ms."""
     host = float("inf")
     for _ in range(max(1, warmup)):
         if device == "cuda":
@@ -25,25 +33,40 @@ def time_us(fn: Callable[[], object], device: str, warmup: int = 5, iters: int =
         t = time.perf_counter()
         fn()
         host = min(host, time.perf_counter() - t)
-    times = []
-    if device == "cuda":
-        # the sleep outlasts the host's enqueueing twice over (about 2000 cycles a microsecond)
-        cycles = max(1_000_000, int(2 * host * 1e6 * 2000))
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(cycles)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
-    else:
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e6)
-    return statistics.median(times), max(times) - min(times)
+    return max(1_000_000, int(2 * host * 1e6 * 2000))
+
+
+def _sample(fn: Callable[[], object], device: str, cycles: int) -> float:
+    """One timed call of fn in microseconds (see time_us)."""
+    if device != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3
+
+
+def paired_ratio(fn_a: Callable[[], object], fn_b: Callable[[], object], device: str, warmup: int = 5,
+                 iters: int = 30) -> tuple:
+    """time(fn_b) / time(fn_a) from `iters` pairs of samples (as time_us takes them) taken back to
+    back, in alternating order: the median ratio and the (min, max) of the pairs' ratios. Drift
+    between separate measurements (clocks, the machine) cancels within a pair, so a difference of a
+    percent or two between two paths shows in one run."""
+    ca, cb = _warm_up(fn_a, device, warmup), _warm_up(fn_b, device, warmup)
+    ratios = []
+    for i in range(iters):
+        if i % 2 == 0:
+            ta, tb = _sample(fn_a, device, ca), _sample(fn_b, device, cb)
+        else:
+            tb, ta = _sample(fn_b, device, cb), _sample(fn_a, device, ca)
+        ratios.append(tb / ta)
+    return statistics.median(ratios), (min(ratios), max(ratios))
 
 
 @contextlib.contextmanager

@@ -6,13 +6,16 @@ Columns: time of the path the heuristic picks (``mmfuse``) and of each path forc
 (``MMFUSE_DUAL_GEMM_PATH``: ``cublaslt``, ``persistent`` under each ``MMFUSE_DUAL_GEMM_SCHEDULE``:
 ``tiles``, ``stream-k``), TFLOP/s, ``% ideal`` = ``(F0 + F1) / R_big``
 over our time, where ``R_big`` is cuBLAS's rate on the big problem alone (issue 5's target: >= 98 %),
-and the speedup over the two cuBLAS calls. Each path's output is checked against torch.matmul."""
+and the speedup over the two cuBLAS calls. ``persistent / cuBLASLt`` is the persistent kernel's time
+(its auto schedule) over the cuBLASLt path's, from pairs of samples taken back to back (median and
+range of the pairs): the figure the path heuristic is decided by. Each path's output is checked
+against torch.matmul."""
 
 import torch
 
 import mmfuse
 
-from .common import env, time_us
+from .common import env, paired_ratio, time_us
 
 # (name, (m0, k0, n0), (m1, k1, n1))
 _SHAPES = [
@@ -47,6 +50,11 @@ def _verify(outs, refs) -> str:
     return "close" if worst <= 2 ** -6 else f"FAIL {worst:.1e}"
 
 
+def _ratio(paired) -> str:
+    r, (lo, hi) = paired
+    return "" if r is None else f"{r:.3f} ({lo:.3f}-{hi:.3f})"
+
+
 def run(device: str, quick: bool = False) -> dict:
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     it = dict(iters=10 if quick else 30)
@@ -64,7 +72,7 @@ def run(device: str, quick: bool = False) -> dict:
     rows = []
     print(f"\n## dual GEMM ({dt}; fp32 accumulate; baseline = two torch.matmul calls)")
     hdr = (f"| {'case':<46} | {'GEMM':<4} | {'mmfuse us':>9} | {'cuBLASLt us':>11} | {'tiles us':>8} | "
-           f"{'stream-K us':>11} | "
+           f"{'stream-K us':>11} | {'persistent / cuBLASLt':>21} | "
            f"{'2x cuBLAS us':>12} | {'big alone us':>12} | {'TFLOP/s':>7} | {'% ideal':>7} | {'speedup':>7} | verified |")
     print(hdr)
     print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
@@ -82,18 +90,27 @@ def run(device: str, quick: bool = False) -> dict:
                     times[schedule or path], _ = time_us(lambda: mmfuse.dual_gemm(a0, w0, a1, w1, ta, tb), device,
                                                          **it)
             verified = next((v for v in verdicts if v.startswith("FAIL")), verdicts[0])
+            paired = (None, (None, None))
+            if device == "cuda":
+                def on(path):
+                    def call():
+                        with env("MMFUSE_DUAL_GEMM_PATH", path):
+                            mmfuse.dual_gemm(a0, w0, a1, w1, ta, tb)
+                    return call
+                paired = paired_ratio(on("cublaslt"), on("persistent"), device, **it)
             t_ours = times[None]
             t_two, _ = time_us(lambda: (ref0(), ref1()), device, **it)
             t_big, _ = time_us(ref0, device, **it)
             ideal_us = t_big * (f0 + f1) / f0
             row = dict(case=name, gemm=which, us=t_ours, cublaslt_us=times.get("cublaslt", t_ours),
                        tiles_us=times.get("tiles", t_ours), stream_k_us=times.get("stream-k", t_ours),
+                       persistent_over_cublaslt=paired[0], persistent_over_cublaslt_range=paired[1],
                        two_cublas_us=t_two, big_alone_us=t_big,
                        tflops=(f0 + f1) / (t_ours * 1e-6) / 1e12, pct_ideal=100 * ideal_us / t_ours,
                        speedup=t_two / t_ours, verified=verified)
             rows.append(row)
             print(f"| {name:<46} | {which:<4} | {t_ours:9.1f} | {row['cublaslt_us']:11.1f} | {row['tiles_us']:8.1f} | "
-                  f"{row['stream_k_us']:11.1f} | "
+                  f"{row['stream_k_us']:11.1f} | {_ratio(paired):>21} | "
                   f"{t_two:12.1f} | {t_big:12.1f} | {row['tflops']:7.0f} | "
                   f"{row['pct_ideal']:7.1f} | {row['speedup']:6.2f}x | {verified:<8} |")
             del a0, w0, a1, w1, ours, refs
