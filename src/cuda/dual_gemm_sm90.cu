@@ -3,11 +3,12 @@
 // computed by a cluster of two CTAs (one an SM) that share the pair's B tile: each CTA copies half
 // of it into both CTAs' shared memory (TMA multicast). The unit list puts the problem with the
 // costlier units (larger k; then more units) first, so that the other problem's units fill the first
-// one's last partial wave instead of running after it. Two static schedules over it
+// one's last partial wave instead of running after it. Static schedules over it
 // (dual_gemm_sm90_schedule.h): whole units round robin ("tiles"); or that for all but the last one
-// to two waves, then an equal share of the remaining k-blocks a cluster ("stream-K"), where a unit
-// cut between clusters is summed in a fixed order through fp32 partials in the caller's workspace
-// and flags tagged with the launch (no zeroing needed).
+// to two waves, then an equal share of the remaining k-blocks a cluster ("stream-K"), or those units
+// cut into a few equal parts dealt round robin ("split", for measurements). A unit cut between
+// clusters is summed in a fixed order through fp32 partials in the caller's workspace and flags
+// tagged with the launch (no zeroing needed).
 //
 // A CTA is three warpgroups: warpgroup 0 is the producer (one thread issues the TMA bulk tensor
 // copies of A and B into a ring of kStages shared-memory stages, each completing on its stage's
@@ -83,8 +84,8 @@ struct Problem {
 struct Params {
   Problem p[2];  // in schedule order: p[0]'s units first
   Schedule s;
-  float* partial;             // stream-K: kPartialFloats a workspace slot
-  unsigned long long* flags;  // stream-K: a flag a slot, this launch's token once the slot's partial is written
+  float* partial;             // s.slots: kPartialFloats a workspace part
+  unsigned long long* flags;  // s.slots: a flag a part, this launch's token once the part's partial is written
 };
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -397,9 +398,11 @@ __device__ __forceinline__ TileCoord tile_coord(const Params& prm, int u, uint32
   return {e, (kCluster * (local % p.pairs_m) + int(rank)) * kBM, (local / p.pairs_m) * kBN};
 }
 
-// The workspace slot of consumer warpgroup c of CTA `rank` of cluster g.
-static_assert(kSlotsPerCluster == kCluster * 2, "a slot a consumer warpgroup of each CTA of a cluster");
-__device__ __forceinline__ int partial_slot(int g, uint32_t rank, int c) { return (g * kCluster + int(rank)) * 2 + c; }
+// The workspace part of consumer warpgroup c of CTA `rank` in slot `slot`.
+static_assert(kSlotsPerCluster == kCluster * 2, "a part a consumer warpgroup of each CTA of a cluster");
+__device__ __forceinline__ int partial_slot(int slot, uint32_t rank, int c) {
+  return (slot * kCluster + int(rank)) * 2 + c;
+}
 
 // This launch's flag value (never 0, the cleared value): derived from the grid's launch number, so
 // that a stale value from an earlier launch never matches; the gathering cluster also clears the
@@ -426,13 +429,13 @@ __device__ __forceinline__ void spill_partial(const float (&d)[128], const Param
   }
 }
 
-// Consumer warpgroup c of cluster g, CTA `rank`: adds the partials of its unit's earlier segments
-// (clusters gather_first .. g - 1), in that order, each once its flag is up; clears each flag.
-__device__ __forceinline__ void gather_partials(float (&d)[128], const Params& prm, int g, uint32_t rank, int c,
-                                                long long unit_begin, unsigned long long token) {
+// Consumer warpgroup c of CTA `rank`: adds the partials of its unit's other segments (seg's slots,
+// in k order), each once its flag is up; clears each flag.
+__device__ __forceinline__ void gather_partials(float (&d)[128], const Params& prm, const Segment& seg, uint32_t rank,
+                                                int c, unsigned long long token) {
   const int tid = threadIdx.x % 128;
-  for (int h = gather_first(prm.s, g, unit_begin); h < g; ++h) {
-    const int slot = partial_slot(h, rank, c);
+  for (int h = 0; h < seg.partials; ++h) {
+    const int slot = partial_slot(seg.slot + h * seg.slot_stride, rank, c);
     if (tid == 0) {
       unsigned long long f;
       do {
@@ -531,7 +534,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto release = [&](int s) {
       for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty[s], r);
     };
-    const unsigned long long token = prm.s.stream_k ? launch_token() : 0;
+    const unsigned long long token = prm.s.slots ? launch_token() : 0;
     unsigned char* buf = out_buf + c * kOutBytes;  // kTmaOut: this warpgroup's staging buffer
     HeldHalf held;
     held.held = false;
@@ -573,10 +576,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const Problem& p = prm.p[tc.e];
       const bool rows = tc.m0 + 64 * c < p.m;  // the warpgroup's block holds output rows
       if (seg.spill) {
-        if (rows) spill_partial(d, prm, partial_slot(cluster, rank, c), c, token);
+        if (rows) spill_partial(d, prm, partial_slot(seg.slot, rank, c), c, token);
         continue;
       }
-      if (seg.gather && rows) gather_partials(d, prm, cluster, rank, c, seg.unit_begin, token);
+      if (seg.gather && rows) gather_partials(d, prm, seg, rank, c, token);
       if constexpr (kTmaOut) {
         if (rows) store_block_tma<T>(d, buf, tc.e ? &mo1 : &mo0, p.n, tc.m0 + 64 * c, tc.n0, c, held);
       } else {
@@ -682,9 +685,9 @@ void launch(const Sm90Expert (&ex)[2], bool accumulate, int mode, const TensorVi
   if (unit_count[0] + unit_count[1] == 0) return;
   const bool ws_ok = ws.defined() && reinterpret_cast<uintptr_t>(ws.data) % 256 == 0;
   prm.s = make_schedule(unit_count, kblocks, max_clusters, mode, ws_ok ? size_t(ws.shape[0]) * dtype_size(ws.dtype) : 0);
-  if (prm.s.stream_k) {
+  if (prm.s.slots) {
     prm.flags = static_cast<unsigned long long*>(ws.data);
-    prm.partial = reinterpret_cast<float*>(static_cast<unsigned char*>(ws.data) + schedule_flag_bytes(prm.s.clusters));
+    prm.partial = reinterpret_cast<float*>(static_cast<unsigned char*>(ws.data) + schedule_flag_bytes(prm.s.slots));
   }
   cfg.gridDim = dim3(kCluster * prm.s.clusters);
   MMFUSE_CUDA_CHECK(
@@ -729,8 +732,9 @@ void sm90_dual_gemm(const Sm90Expert (&ex)[2], const DualGemmOptions& o, const T
   const DType in = ex[0].a->dtype;
   const int layout = (o.trans_a ? 2 : 0) + (o.trans_b ? 1 : 0);
   const bool tma_out = tma_epilogue(ex);
-  // MMFUSE_DUAL_GEMM_SCHEDULE: auto (make_schedule's rule), tiles or stream-k (for tests and measurements)
-  const int mode = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_SCHEDULE", {"auto", "tiles", "stream-k"});
+  // MMFUSE_DUAL_GEMM_SCHEDULE: auto (make_schedule's rule), tiles, stream-k or split (for tests and
+  // measurements; the ScheduleMode values in this order)
+  const int mode = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_SCHEDULE", {"auto", "tiles", "stream-k", "split"});
   auto go = [&](auto tag) {
     using T = decltype(tag);
     auto with = [&](auto tma) {

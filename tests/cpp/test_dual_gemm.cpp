@@ -161,12 +161,15 @@ TEST(DualGemmCpu, BadInputNamesTheProblem) {
 }
 
 // The persistent kernel's schedules (plain host code, checked without a GPU): every k-block of every
-// unit runs exactly once. Under stream-K a cluster first runs whole units (the same number, a
-// multiple of G in all, as every other cluster), then a share of at most ceil(R / G) of the
-// remaining R k-blocks, from its end back; only the share's segment run first spills and only the
-// one run last gathers (so a cluster spills before it waits); and each gathering segment's clusters
-// (gather_first .. g - 1, all of lower index) are exactly the unit's spilling ones, in k order, with
-// the k-blocks before the gathering segment's.
+// unit runs exactly once; whole units (round robin) come first. Every spilled slot is written once,
+// and each gathering segment adds exactly its unit's other segments, in k order, up to its own
+// first k-block. Run to completion, clusters each walking their segments in order and a gather
+// waiting until its slots are written, no cluster is left waiting (no deadlock while all are
+// resident). Stream-K: the same number of whole units on every cluster (a multiple of G in all), a
+// share of at most ceil(R / G) of the remaining R k-blocks, from its end back; only the share's
+// segment run first spills and only the one run last gathers, from clusters of lower index only.
+// Split: each tail unit of problem e in parts[e] equal runs (within a k-block), a spill per part
+// but the last.
 TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
   using namespace mmfuse::detail;
   std::mt19937_64 rng(test_seed());
@@ -177,21 +180,23 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
     const int units[2] = {pick(0, many ? 600 : 150), pick(0, 40)}, kblocks[2] = {pick(1, 180), pick(1, 180)};
     const int max_clusters = std::vector<int>{1, 2, 7, 66, 132}[trial % 5];
     if (units[0] + units[1] == 0) continue;
-    for (int mode : {kScheduleTiles, kScheduleStreamK}) {
+    for (int mode : {kScheduleTiles, kScheduleStreamK, kScheduleSplit}) {
       const Schedule s = make_schedule(units, kblocks, max_clusters, mode, plenty);
       const std::string where = "units " + std::to_string(units[0]) + "/" + std::to_string(units[1]) + " kblocks " +
                                 std::to_string(kblocks[0]) + "/" + std::to_string(kblocks[1]) + " clusters " +
                                 std::to_string(max_clusters) + " mode " + std::to_string(mode);
       ASSERT_EQ(s.stream_k, mode == kScheduleStreamK ? 1 : 0) << where;
+      ASSERT_EQ(s.split, mode == kScheduleSplit ? 1 : 0) << where;
       ASSERT_GE(s.clusters, 1) << where;
       ASSERT_LE(s.clusters, max_clusters) << where;
       ASSERT_EQ(s.iters, (long long)units[0] * kblocks[0] + (long long)units[1] * kblocks[1]) << where;
-      if (s.stream_k) {
+      if (s.stream_k || s.split) {
         ASSERT_EQ(s.dp_units % s.clusters, 0) << where;
-        ASSERT_LE(s.clusters, s.iters - s.dp_iters) << where;
       } else {
         ASSERT_EQ(s.dp_units, s.total_units) << where;
+        ASSERT_EQ(s.slots, 0) << where;
       }
+      if (s.stream_k) ASSERT_LE(s.clusters, s.iters - s.dp_iters) << where;
       std::vector<std::vector<int>> runs(size_t(s.total_units));
       for (int u = 0; u < s.total_units; ++u) runs[size_t(u)].assign(size_t(s.kblocks[u >= units[0]]), 0);
       std::vector<std::vector<Segment>> segs(size_t(s.clusters));
@@ -208,7 +213,7 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
             ASSERT_EQ(seg.u % s.clusters, g) << where;
             ++whole[size_t(g)];
           } else {
-            if (segs[size_t(g)].size() > whole[size_t(g)])
+            if (s.stream_k && segs[size_t(g)].size() > whole[size_t(g)])
               ASSERT_LT(seg.u, segs[size_t(g)].back().u) << where << ": the share runs from its end back";
             share += seg.kb_end - seg.kb_begin;
           }
@@ -221,38 +226,65 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
       }
       for (const auto& r : runs)
         for (int n : r) ASSERT_EQ(n, 1) << where;
-      std::map<int, int> spills;  // cluster -> unit it spills
+      std::map<int, Segment> spilled;  // slot -> the segment that writes it
       for (int g = 0; g < s.clusters; ++g)
         for (size_t i = 0; i < segs[size_t(g)].size(); ++i) {
           const Segment& seg = segs[size_t(g)][i];
           const int kbs = s.kblocks[seg.u >= units[0]];
-          ASSERT_EQ(seg.spill, s.stream_k && seg.kb_end < kbs) << where;
-          ASSERT_EQ(seg.gather, s.stream_k && seg.kb_begin > 0 && seg.kb_end == kbs) << where;
+          const bool split_unit = s.split && seg.u >= s.dp_units && s.parts[seg.u >= units[0]] > 1;
+          ASSERT_EQ(seg.spill, (s.stream_k || split_unit) && seg.kb_end < kbs) << where;
+          ASSERT_EQ(seg.gather, (s.stream_k || split_unit) && seg.kb_begin > 0 && seg.kb_end == kbs) << where;
           if (seg.spill) {
-            ASSERT_EQ(i, whole[size_t(g)]) << where;
-            spills[g] = seg.u;
+            ASSERT_GE(seg.slot, 0) << where;
+            ASSERT_LT(seg.slot, s.slots) << where;
+            ASSERT_EQ(spilled.count(seg.slot), 0u) << where << ": slot " << seg.slot << " written twice";
+            spilled[seg.slot] = seg;
+            if (s.stream_k) ASSERT_EQ(i, whole[size_t(g)]) << where;
           }
-          if (seg.gather) ASSERT_EQ(i + 1, segs[size_t(g)].size()) << where;
+          if (seg.gather && s.stream_k) ASSERT_EQ(i + 1, segs[size_t(g)].size()) << where;
         }
       size_t gathered = 0;
       for (int g = 0; g < s.clusters; ++g)
         for (const Segment& seg : segs[size_t(g)]) {
           if (!seg.gather) continue;
+          ASSERT_GE(seg.partials, 1) << where;
+          if (s.stream_k) {
+            ASSERT_EQ(seg.slot_stride, 1) << where;
+            ASSERT_EQ(seg.slot + seg.partials, g) << where << ": a cluster waits only on clusters of lower index";
+          }
           int next_kb = 0;
-          const int first = gather_first(s, g, seg.unit_begin);
-          ASSERT_GE(first, 0) << where;
-          ASSERT_LT(first, g) << where << ": a cluster waits only on clusters of lower index";
-          for (int h = first; h < g; ++h) {
-            ASSERT_TRUE(spills.count(h) && spills[h] == seg.u) << where << " cluster " << h;
-            const Segment& part = segs[size_t(h)].at(whole[size_t(h)]);
-            ASSERT_EQ(part.unit_begin, seg.unit_begin) << where;
+          for (int h = 0; h < seg.partials; ++h) {
+            const int slot = seg.slot + h * seg.slot_stride;
+            ASSERT_TRUE(spilled.count(slot)) << where << " slot " << slot;
+            const Segment& part = spilled[slot];
+            ASSERT_EQ(part.u, seg.u) << where;
             ASSERT_EQ(part.kb_begin, next_kb) << where;
             next_kb = part.kb_end;
             ++gathered;
           }
           ASSERT_EQ(next_kb, seg.kb_begin) << where;
         }
-      ASSERT_EQ(gathered, spills.size()) << where;
+      ASSERT_EQ(gathered, spilled.size()) << where;
+      // run it: each round, every cluster goes on until a gather whose slots are not all written
+      std::vector<size_t> at(size_t(s.clusters), 0);
+      std::vector<bool> written(size_t(s.slots), false);
+      for (bool moved = true; moved;) {
+        moved = false;
+        for (int g = 0; g < s.clusters; ++g) {
+          auto& list = segs[size_t(g)];
+          while (at[size_t(g)] < list.size()) {
+            const Segment& seg = list[at[size_t(g)]];
+            bool ready = true;
+            for (int h = 0; h < seg.partials; ++h) ready = ready && written[size_t(seg.slot + h * seg.slot_stride)];
+            if (!ready) break;
+            if (seg.spill) written[size_t(seg.slot)] = true;
+            ++at[size_t(g)];
+            moved = true;
+          }
+        }
+      }
+      for (int g = 0; g < s.clusters; ++g)
+        ASSERT_EQ(at[size_t(g)], segs[size_t(g)].size()) << where << ": cluster " << g << " waits forever";
     }
   }
 }
@@ -283,6 +315,14 @@ TEST(DualGemmSchedule, AutoAndWorkspace) {
   const Schedule small = make_schedule({32, 8}, {172, 43}, 66, kScheduleStreamK, schedule_workspace_bytes(66) - 1);
   EXPECT_EQ(small.stream_k, 0);
   EXPECT_EQ(small.clusters, 40);
+  // split, tiny-small dX: 32 units halved (two k phases) and 8 in eighths, 92 k-blocks on the busiest
+  // cluster (tiles 172, stream-K 89), 88 slots within the workspace
+  const Schedule split = make_schedule({32, 8}, {172, 43}, 66, kScheduleSplit, ws);
+  EXPECT_EQ(split.split, 1);
+  EXPECT_EQ(split.parts[0], 2);
+  EXPECT_EQ(split.parts[1], 8);
+  EXPECT_EQ(split.slots, 32 + 8 * 7);
+  EXPECT_LE(schedule_workspace_bytes(split.slots), ws);
   // fewer k-blocks than clusters: one k-block a cluster
   const Schedule tiny = make_schedule({1, 2}, {3, 1}, 66, kScheduleStreamK, ws);
   EXPECT_EQ(tiny.clusters, 5);
@@ -306,7 +346,7 @@ TEST(DualGemmCuda, AllLayoutsAgainstFloat64) {
 }
 
 // The persistent kernel itself, every layout, under each schedule (whole tiles; stream-K, whose
-// shares here split a unit across up to 64 clusters): partial tiles in m, n and k, an empty expert,
+// shares here split a unit across up to 64 clusters; split, units in equal parts): partial tiles in m, n and k, an empty expert,
 // the costlier problem second (the schedule reorders them), several tiles a CTA, fp32 outputs and
 // accumulation, both epilogues (TMA stores clipped at the output's edges; stores from registers).
 // Its operands need 16-byte row strides: the stored rows' lengths are multiples of 8, and the
@@ -318,7 +358,7 @@ TEST(DualGemmCuda, PersistentKernelAgainstFloat64) {
   const Expert aligned[][2] = {{{128, 256, 64}, {8, 8, 8}},          {{136, 264, 200}, {0, 24, 16}},
                                {{8, 16, 2048}, {264, 264, 256}},    {{264, 520, 72}, {128, 136, 72}},
                                {{200, 328, 40}, {72, 8, 24}},       {{136, 24, 4096}, {8, 8, 8}}};
-  for (const char* schedule : {"tiles", "stream-k"}) {
+  for (const char* schedule : {"tiles", "stream-k", "split"}) {
     ScopedEnv sched("MMFUSE_DUAL_GEMM_SCHEDULE", schedule);
     for (bool ta : {false, true})
       for (bool tb : {false, true})
