@@ -399,8 +399,8 @@ __device__ __forceinline__ TileCoord tile_coord(const Params& prm, int u, uint32
 }
 
 // The workspace part of consumer warpgroup c of CTA `rank` in slot `slot`.
-static_assert(kSlotsPerCluster == kCluster * 2, "a part a consumer warpgroup of each CTA of a cluster");
-__device__ __forceinline__ int partial_slot(int slot, uint32_t rank, int c) {
+static_assert(kPartsPerSlot == kCluster * 2, "a part a consumer warpgroup of each CTA of a cluster");
+__device__ __forceinline__ int slot_part(int slot, uint32_t rank, int c) {
   return (slot * kCluster + int(rank)) * 2 + c;
 }
 
@@ -414,18 +414,18 @@ __device__ __forceinline__ unsigned long long launch_token() {
   return t ? t : 1;
 }
 
-// Consumer warpgroup c: its fp32 accumulators to workspace slot `slot`, then the slot's flag raised
+// Consumer warpgroup c: its fp32 accumulators to workspace part `part`, then the part's flag raised
 // (the warpgroup's stores ordered before it: a barrier, then one thread's gpu-scope fence and store).
-__device__ __forceinline__ void spill_partial(const float (&d)[128], const Params& prm, int slot, int c,
+__device__ __forceinline__ void spill_partial(const float (&d)[128], const Params& prm, int part, int c,
                                               unsigned long long token) {
   const int tid = threadIdx.x % 128;
-  float4* dst = reinterpret_cast<float4*>(prm.partial + size_t(slot) * kPartialFloats) + tid;
+  float4* dst = reinterpret_cast<float4*>(prm.partial + size_t(part) * kPartialFloats) + tid;
 #pragma unroll
   for (int i = 0; i < 32; ++i) __stcg(dst + 128 * i, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
   named_barrier(1 + c, 128);
   if (tid == 0) {
     __threadfence();
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(prm.flags + slot), "l"(token) : "memory");
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(prm.flags + part), "l"(token) : "memory");
   }
 }
 
@@ -435,16 +435,16 @@ __device__ __forceinline__ void gather_partials(float (&d)[128], const Params& p
                                                 int c, unsigned long long token) {
   const int tid = threadIdx.x % 128;
   for (int h = 0; h < seg.partials; ++h) {
-    const int slot = partial_slot(seg.slot + h * seg.slot_stride, rank, c);
+    const int part = slot_part(seg.slot + h * seg.slot_stride, rank, c);
     if (tid == 0) {
       unsigned long long f;
       do {
-        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(f) : "l"(prm.flags + slot) : "memory");
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(f) : "l"(prm.flags + part) : "memory");
       } while (f != token);
-      asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(prm.flags + slot), "l"(0ull) : "memory");
+      asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(prm.flags + part), "l"(0ull) : "memory");
     }
     named_barrier(1 + c, 128);
-    const float4* src = reinterpret_cast<const float4*>(prm.partial + size_t(slot) * kPartialFloats) + tid;
+    const float4* src = reinterpret_cast<const float4*>(prm.partial + size_t(part) * kPartialFloats) + tid;
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const float4 v = __ldcg(src + 128 * i);
@@ -576,7 +576,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const Problem& p = prm.p[tc.e];
       const bool rows = tc.m0 + 64 * c < p.m;  // the warpgroup's block holds output rows
       if (seg.spill) {
-        if (rows) spill_partial(d, prm, partial_slot(seg.slot, rank, c), c, token);
+        if (rows) spill_partial(d, prm, slot_part(seg.slot, rank, c), c, token);
         continue;
       }
       if (seg.gather && rows) gather_partials(d, prm, seg, rank, c, token);

@@ -6,16 +6,6 @@
 // 0 (schedule order) if u < units[0], else to problem 1, and has kblocks[e] k-blocks.
 //
 // Tiles: cluster g runs units g, g + G, ... whole (G = clusters).
-// Split (for measurements, MMFUSE_DUAL_GEMM_SCHEDULE=split): the same for the first dp_units units
-// (as under stream-K), then each remaining unit of problem e is cut into parts[e] equal runs of
-// k-blocks ("items": problem 0's tail units part by part, then problem 1's), dealt round robin on
-// (item i to cluster i mod G). The clusters running at one time mostly hold the same part of
-// neighbouring units, so they read the same k-blocks of shared operands together, as under tiles
-// (under stream-K each share starts at its own k). A unit's parts but the last spill; its last
-// gathers them in part order (bitwise reproducible). Every spill of a problem's tail comes before
-// every gather of it in the item order, and each cluster runs its items in that order, so no wait
-// can close a cycle while all clusters are resident (the grid is sized to the clusters that fit);
-// unlike stream-K, a gather may wait on a cluster of higher index.
 // Stream-K: the same for the first dp_units units (all but the last one to two waves: a multiple of
 // G), then the k-blocks of the remaining units, in order, form one sequence of iterations, numbered
 // on from the whole units' (`dp_iters` .. `iters`), and cluster g owns the share
@@ -34,6 +24,17 @@
 // blocks in index order in practice; CUDA does not promise it): so the kernel does not deadlock
 // when other work keeps some of its clusters from being resident at once. The
 // gathering cluster meets the unit at the end of its share, long after the spills it needs.
+//
+// Split (for measurements, MMFUSE_DUAL_GEMM_SCHEDULE=split): the same for the first dp_units units
+// (as under stream-K), then each remaining unit of problem e is cut into parts[e] equal runs of
+// k-blocks ("items": problem 0's tail units part by part, then problem 1's), dealt round robin on
+// (item i to cluster i mod G). The clusters running at one time mostly hold the same part of
+// neighbouring units, so they read the same k-blocks of shared operands together, as under tiles
+// (under stream-K each share starts at its own k). A unit's parts but the last spill; its last
+// gathers them in part order (bitwise reproducible). Every spill of a problem's tail comes before
+// every gather of it in the item order, and each cluster runs its items in that order, so no wait
+// can close a cycle while all clusters are resident (the grid is sized to the clusters that fit);
+// unlike stream-K, a gather may wait on a cluster of higher index.
 #pragma once
 
 #include <algorithm>
@@ -96,7 +97,7 @@ MMFUSE_SCHEDULE_FN int gather_first(const Schedule& s, int g, long long unit_beg
 }
 
 // Cluster g's next segment (w from walk_start(s, g)): its whole units, then its share from the end
-// back; false once its work is done.
+// back (split: its items in order); false once its work is done.
 MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
   if (w.u < s.dp_units) {  // a whole unit
     seg = {w.u, 0, s.kblocks[w.u >= s.units[0]], false, false, 0};
@@ -132,14 +133,14 @@ MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
   return true;
 }
 
-// Workspace of `slots` slots of partials (stream-K: one a cluster; split: one a spilling item): a
-// 64-bit flag a part of a slot (256-byte aligned), then an fp32 partial block a part; a slot's parts
-// are its unit's (CTA rank, consumer warpgroup), a block one warpgroup's 128 threads x 128 accumulators.
-constexpr int kSlotsPerCluster = 4;  // parts of a slot
+// Workspace of `slots` slots of partials (stream-K: one a cluster; split: one a spilling item), each
+// of kPartsPerSlot parts, one a (CTA rank, consumer warpgroup) of the unit: a 64-bit flag a part
+// (256-byte aligned), then an fp32 partial block a part (one warpgroup's 128 threads x 128 accumulators).
+constexpr int kPartsPerSlot = 4;
 constexpr int kPartialFloats = 128 * 128;
-inline size_t schedule_flag_bytes(int slots) { return (size_t(slots) * kSlotsPerCluster * 8 + 255) / 256 * 256; }
+inline size_t schedule_flag_bytes(int slots) { return (size_t(slots) * kPartsPerSlot * 8 + 255) / 256 * 256; }
 inline size_t schedule_workspace_bytes(int slots) {
-  return schedule_flag_bytes(slots) + size_t(slots) * kSlotsPerCluster * kPartialFloats * sizeof(float);
+  return schedule_flag_bytes(slots) + size_t(slots) * kPartsPerSlot * kPartialFloats * sizeof(float);
 }
 
 // k-blocks of the busiest cluster when g clusters run units [0, limit) whole, round robin.
