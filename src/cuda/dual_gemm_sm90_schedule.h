@@ -70,8 +70,7 @@ struct Schedule {
 struct Segment {
   int u, kb_begin, kb_end;  // unit, and its k-blocks [kb_begin, kb_end)
   bool spill, gather;
-  long long unit_begin;  // stream-K: the iteration of the unit's first k-block
-  int slot;              // spill: the workspace slot written; gather: the first slot added
+  int slot;                   // spill: the workspace slot written; gather: the first slot added
   int slot_stride, partials;  // gather: slots slot + h * slot_stride, h < partials, in k order
 };
 
@@ -100,7 +99,7 @@ MMFUSE_SCHEDULE_FN int gather_first(const Schedule& s, int g, long long unit_beg
 // back (split: its items in order); false once its work is done.
 MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
   if (w.u < s.dp_units) {  // a whole unit
-    seg = {w.u, 0, s.kblocks[w.u >= s.units[0]], false, false, 0};
+    seg = {w.u, 0, s.kblocks[w.u >= s.units[0]], false, false, 0, 0, 0};
     w.u += s.clusters;
     return true;
   }
@@ -113,7 +112,7 @@ MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
     const int p = r / s.tail[b], j = r - p * s.tail[b], n = s.parts[b], kbs = s.kblocks[b];
     const int base = b ? s.tail[0] * (s.parts[0] - 1) : 0;  // the problem's first spill slot
     seg = {s.tail_first[b] + j, int((long long)p * kbs / n), int((long long)(p + 1) * kbs / n), p + 1 < n,
-           p + 1 == n && n > 1, 0, base + (p + 1 < n ? p : 0) * s.tail[b] + j, s.tail[b], p + 1 == n ? n - 1 : 0};
+           p + 1 == n && n > 1, base + (p + 1 < n ? p : 0) * s.tail[b] + j, s.tail[b], p + 1 == n ? n - 1 : 0};
     return true;
   }
   if (w.it <= w.begin) return false;  // (under tiles every share is empty)
@@ -127,8 +126,7 @@ MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
   const int kb_begin = int(seg_begin - unit_begin);
   const bool spill = kb_last + 1 < kbs, gather = kb_last + 1 == kbs && kb_begin > 0;
   const int from = gather ? gather_first(s, w.g, unit_begin) : w.g;
-  seg = {(e ? s.units[0] : 0) + int(rel / kbs), kb_begin, kb_last + 1, spill, gather, unit_begin, from, 1,
-         gather ? w.g - from : 0};
+  seg = {(e ? s.units[0] : 0) + int(rel / kbs), kb_begin, kb_last + 1, spill, gather, from, 1, gather ? w.g - from : 0};
   w.it = seg_begin;
   return true;
 }
@@ -178,7 +176,6 @@ constexpr long long kSplitCost = 4;
 // holding the spills (fewer spills on a tie).
 inline void choose_split(Schedule& s, int g, int dp, size_t workspace_bytes) {
   s.split = 1;
-  s.stream_k = 0;
   s.clusters = g;
   s.dp_units = dp;
   s.dp_iters = schedule_iters(s, dp);

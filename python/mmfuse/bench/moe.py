@@ -192,9 +192,8 @@ def sweep(quick: bool = True) -> None:
         n = 20
         with env("MMFUSE_MOE_PLAN", "auto"):
             us, _ = time_us(lambda: [ops.moe_plan(idx, E, num_out) for _ in range(n)], "cuda", **it)
-        line.append(f"auto, {n} back to back {us / n:.1f} a plan (add_ {floor_n_us / n:.1f})")
-        with env("MMFUSE_MOE_PLAN", "auto"):
             g_us, _ = _per_call_in_graph(lambda: ops.moe_plan(idx, E, num_out), n, it)
+        line.append(f"auto, {n} back to back {us / n:.1f} a plan (add_ {floor_n_us / n:.1f})")
         line.append(f"{n} in a CUDA graph {g_us:.1f} a plan (add_ {floor_graph_us:.1f})")
         print(f"sweep {name} (T*K {T * K}): plan us: " + ", ".join(line))
         y = torch.randn(num_out, H, device="cuda").to(torch.bfloat16)
