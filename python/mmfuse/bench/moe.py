@@ -181,20 +181,21 @@ def sweep(quick: bool = True) -> None:
         num_out = _kept(T, K, kw.get("drop"))
         want = ops.moe_plan(idx, E, num_out)
         row_map = want[0]
-        line = []
+        line, in_graph = [], []
+        n = 20
         for mode in ("auto", "cooperative", "two"):
             with env("MMFUSE_MOE_PLAN", mode):
                 us, _ = time_us(lambda: ops.moe_plan(idx, E, num_out), "cuda", **it)
                 same = all(torch.equal(a, b) for a, b in zip(ops.moe_plan(idx, E, num_out), want))
+                g_us, _ = _per_call_in_graph(lambda: ops.moe_plan(idx, E, num_out), n, it)
             line.append(f"{mode} {us:.1f}{'' if same else ' DIFFERS'}")
+            in_graph.append(f"{mode} {g_us:.1f}")
         # in a stream: n plans queued back to back (the launch of each hidden behind the one before),
-        # the time a plan adds to a step, next to n one-element add_ launches
-        n = 20
+        # the time a plan adds to a step, next to n one-element add_ launches; and n in a CUDA graph
         with env("MMFUSE_MOE_PLAN", "auto"):
             us, _ = time_us(lambda: [ops.moe_plan(idx, E, num_out) for _ in range(n)], "cuda", **it)
-            g_us, _ = _per_call_in_graph(lambda: ops.moe_plan(idx, E, num_out), n, it)
         line.append(f"auto, {n} back to back {us / n:.1f} a plan (add_ {floor_n_us / n:.1f})")
-        line.append(f"{n} in a CUDA graph {g_us:.1f} a plan (add_ {floor_graph_us:.1f})")
+        line.append(f"{n} in a CUDA graph, a plan: " + " ".join(in_graph) + f" (add_ {floor_graph_us:.1f})")
         print(f"sweep {name} (T*K {T * K}): plan us: " + ", ".join(line))
         y = torch.randn(num_out, H, device="cuda").to(torch.bfloat16)
         dout = torch.randn(T, H, device="cuda").to(torch.bfloat16)
