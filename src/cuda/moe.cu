@@ -179,26 +179,16 @@ __device__ __forceinline__ void rank_chunk(const PlanArgs& a, int32_t lo, int32_
                                            int32_t* pre, int32_t* tot) {
   const int32_t E = a.E, c = blockIdx.x;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // column sums of the chunk histograms: groups of threads split the chunks of each expert, each
-  // thread's loads issued kHistLoads at a time (predicated, so that a short column is one round trip
-  // to L2 too, not one a load)
-  constexpr int kHistLoads = 16;
+  // column sums of the chunk histograms: groups of threads split the chunks of each expert
   const int32_t G = E >= kPlanThreads ? 1 : kPlanThreads / E;
   for (int32_t j = threadIdx.x; j < E * G; j += blockDim.x) {
     const int32_t x = j % E, g = j / E;
     int32_t p = 0, s = 0;
-    for (int32_t q0 = g; q0 < a.C; q0 += kHistLoads * G) {
-      int32_t h[kHistLoads];
-#pragma unroll
-      for (int b = 0; b < kHistLoads; ++b) {
-        const int32_t q = q0 + b * G;
-        h[b] = q < a.C ? a.hist[q * E + x] : 0;
-      }
-#pragma unroll
-      for (int b = 0; b < kHistLoads; ++b) {
-        s += h[b];
-        p += q0 + b * G < c ? h[b] : 0;
-      }
+#pragma unroll 8
+    for (int32_t q = g; q < a.C; q += G) {
+      const int32_t h = a.hist[q * E + x];
+      s += h;
+      p += q < c ? h : 0;
     }
     atomicAdd(&pre[x], p);
     atomicAdd(&tot[x], s);
