@@ -20,9 +20,10 @@
 // forces one (for tests and measurements; persistent falls back to cuBLASLt where the kernel cannot
 // take the operands); MMFUSE_DUAL_GEMM_SCHEDULE = tiles | stream-k | split forces the persistent
 // kernel's schedule (whole output tiles a cluster; or k split across clusters, as shares or as a few
-// equal parts of the last units, through fp32 partials in the workspace, summed in a fixed order). Today the heuristic picks cuBLASLt everywhere: the persistent
-// kernel is correct, but at best 1-2 % faster (3 of the 12 benchmark GEMMs, within the spread between
-// runs) and slower elsewhere (docs/benchmarks.md, 2026-12-05 21:28).
+// equal parts of the last units, through fp32 partials in the workspace, summed in a fixed order).
+// Today the heuristic picks cuBLASLt everywhere: the persistent kernel is correct, but at best 1-2 %
+// faster (3 of the 12 benchmark GEMMs, within the spread between runs) and slower elsewhere
+// (docs/benchmarks.md, 2026-12-05 21:28).
 #pragma once
 
 #include "mmfuse/common.h"
