@@ -74,6 +74,7 @@ void run_quantize(Fp8QuantJob& j, bool cuda) {
     v->device = Device{DeviceType::kCUDA, 0};
     copies.push_back(c);
   }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the copies (legacy stream) done before st runs
   cudaStream_t st = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
   fp8_quantize(&j, 1, st);

@@ -101,12 +101,17 @@ struct DeviceBuffer {
   ~DeviceBuffer() { cudaFree(ptr); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  // upload and poison run on the legacy default stream, which does not order work against the
+  // tests' non-blocking streams (and cudaMemset, or a copy from pageable memory, may return before
+  // the device has finished it): both wait for the device, so that no kernel under test races them.
   void upload(const std::vector<T>& h) {
     if (cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess)
       throw std::runtime_error("cudaMemcpy H2D");
+    if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error("cudaDeviceSynchronize after an upload");
   }
   void poison() {
     if (cudaMemset(ptr, 0xFF, n * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMemset");
+    if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error("cudaDeviceSynchronize after a poison");
   }
   std::vector<T> download() const {
     std::vector<T> h(n);
