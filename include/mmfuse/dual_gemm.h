@@ -18,9 +18,9 @@
 // problems (TMA, wgmma; bf16 / fp16 with 16-byte-aligned operands and row strides). A shape
 // heuristic picks the path; the environment variable MMFUSE_DUAL_GEMM_PATH = cublaslt | persistent
 // forces one (for tests and measurements; persistent falls back to cuBLASLt where the kernel cannot
-// take the operands); MMFUSE_DUAL_GEMM_SCHEDULE = tiles | stream-k | split forces the persistent
-// kernel's schedule (whole output tiles a cluster; or k split across clusters, as shares or as a few
-// equal parts of the last units, through fp32 partials in the workspace, summed in a fixed order).
+// take the operands); MMFUSE_DUAL_GEMM_SCHEDULE = tiles | stream-k forces the persistent kernel's
+// schedule (whole output tiles a cluster; or the last units' k-blocks shared out across clusters,
+// through fp32 partials in the workspace, summed in a fixed order).
 // Today the heuristic picks cuBLASLt everywhere: the persistent kernel is correct, but at best 1-2 %
 // faster (3 of the 12 benchmark GEMMs, within the spread between runs) and slower elsewhere
 // (docs/benchmarks.md, 2026-12-05 21:28).

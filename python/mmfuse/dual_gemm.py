@@ -5,11 +5,11 @@ stream, descriptors and algorithms cached per problem, no host sync). A persiste
 both problems' tiles (TMA, wgmma) also exists; it is exact, but at best 1-2 % faster than cuBLASLt
 (the small-expert shapes' forward and dW, one backward of the VLA shapes: within the spread between
 runs) and slower elsewhere, so the path heuristic does not pick it. ``MMFUSE_DUAL_GEMM_PATH=cublaslt``
-or ``=persistent`` in the environment forces a path, and ``MMFUSE_DUAL_GEMM_SCHEDULE=tiles``,
-``=stream-k`` or ``=split`` the persistent kernel's schedule (whole output tiles a cluster; k split
-across clusters, each a share; or the last units cut into a few equal parts; partials summed in a
-fixed order; by default stream-K for k >= 4096 where it levels the clusters' work, else tiles); both
-are read at each call, for tests and measurements.
+or ``=persistent`` in the environment forces a path, and ``MMFUSE_DUAL_GEMM_SCHEDULE=tiles``
+or ``=stream-k`` the persistent kernel's schedule (whole output tiles a cluster; or the last units'
+k-blocks shared out across clusters, partials summed in a fixed order; by default stream-K for
+k >= 4096 where it levels the clusters' work, else tiles); both are read at each call, for tests
+and measurements.
 """
 
 from typing import Optional, Tuple

@@ -132,8 +132,9 @@ bool sm90_can_take(const Sm90Expert (&ex)[2], int device) {
 // 1.00x on the tiny-small fwd and dW, 0.63x on its dX (few output tiles, no split of k) and
 // 0.86-0.97x elsewhere; with the held epilogue half and the auto schedule (tiles, or stream-K for
 // k >= 4096; H100 21:28) at 1.01-1.02x on the tiny-small fwd and dW and the VLA down dW, 0.86-0.97x
-// elsewhere. Those wins are within the spread between runs (cuBLASLt's tiny-small fwd measured
-// 73.4-74.6 us in three runs), so auto stays cuBLASLt everywhere until a win holds across runs.
+// elsewhere; again (H100 2026-12-06 02:16, paired samples) 1.01x on the tiny-small fwd and the VLA
+// down dW, 1.00x on the tiny-small dW and VLA gate_up dX, 0.89-0.97x elsewhere. Wins of 1 % on 2 of
+// 12 GEMMs, with no shape rule that separates them from the losses: auto stays cuBLASLt everywhere.
 enum class Path { kLibrary, kPersistent };
 Path choose_path(const Sm90Expert (&ex)[2], int device) {
   const int forced = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_PATH", {"auto", "cublaslt", "persistent"});

@@ -5,10 +5,9 @@
 // costlier units (larger k; then more units) first, so that the other problem's units fill the first
 // one's last partial wave instead of running after it. Static schedules over it
 // (dual_gemm_sm90_schedule.h): whole units round robin ("tiles"); or that for all but the last one
-// to two waves, then an equal share of the remaining k-blocks a cluster ("stream-K"), or those units
-// cut into a few equal parts dealt round robin ("split", for measurements). A unit cut between
-// clusters is summed in a fixed order through fp32 partials in the caller's workspace and flags
-// tagged with the launch (no zeroing needed).
+// to two waves, then an equal share of the remaining k-blocks a cluster ("stream-K"). A unit cut
+// between clusters is summed in a fixed order through fp32 partials in the caller's workspace and
+// flags tagged with the launch (no zeroing needed).
 //
 // A CTA is three warpgroups: warpgroup 0 is the producer (one thread issues the TMA bulk tensor
 // copies of A and B into a ring of kStages shared-memory stages, each completing on its stage's
@@ -732,9 +731,9 @@ void sm90_dual_gemm(const Sm90Expert (&ex)[2], const DualGemmOptions& o, const T
   const DType in = ex[0].a->dtype;
   const int layout = (o.trans_a ? 2 : 0) + (o.trans_b ? 1 : 0);
   const bool tma_out = tma_epilogue(ex);
-  // MMFUSE_DUAL_GEMM_SCHEDULE: auto (make_schedule's rule), tiles, stream-k or split (for tests and
+  // MMFUSE_DUAL_GEMM_SCHEDULE: auto (make_schedule's rule), tiles or stream-k (for tests and
   // measurements; the ScheduleMode values in this order)
-  const int mode = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_SCHEDULE", {"auto", "tiles", "stream-k", "split"});
+  const int mode = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_SCHEDULE", {"auto", "tiles", "stream-k"});
   auto go = [&](auto tag) {
     using T = decltype(tag);
     auto with = [&](auto tma) {

@@ -22,24 +22,12 @@
 // the shapes and G alone, so results are bitwise reproducible. A cluster spills before it waits on
 // anything, and waits only on clusters of lower index, which the GPU starts first (it dispatches
 // blocks in index order in practice; CUDA does not promise it): so the kernel does not deadlock
-// when other work keeps some of its clusters from being resident at once. The
-// gathering cluster meets the unit at the end of its share, long after the spills it needs.
-//
-// Split (for measurements, MMFUSE_DUAL_GEMM_SCHEDULE=split): the same for the first dp_units units
-// (as under stream-K), then each remaining unit of problem e is cut into parts[e] equal runs of
-// k-blocks ("items": problem 0's tail units part by part, then problem 1's), dealt round robin on
-// (item i to cluster i mod G). The clusters running at one time mostly hold the same part of
-// neighbouring units, so they read the same k-blocks of shared operands together, as under tiles
-// (under stream-K each share starts at its own k). A unit's parts but the last spill; its last
-// gathers them in part order (bitwise reproducible). Every spill of a problem's tail comes before
-// every gather of it in the item order, and each cluster runs its items in that order, so no wait
-// can close a cycle while all clusters are resident (the grid is sized to the clusters that fit);
-// unlike stream-K, a gather may wait on a cluster of higher index.
+// when other work keeps some of its clusters from being resident at once. The gathering cluster
+// meets the unit at the end of its share, long after the spills it needs.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
-#include <vector>
 
 #if defined(__CUDACC__)
 #define MMFUSE_SCHEDULE_FN __host__ __device__ __forceinline__
@@ -50,21 +38,18 @@
 namespace mmfuse {
 namespace detail {
 
-enum ScheduleMode : int { kScheduleAuto = 0, kScheduleTiles = 1, kScheduleStreamK = 2, kScheduleSplit = 3 };
+enum ScheduleMode : int { kScheduleAuto = 0, kScheduleTiles = 1, kScheduleStreamK = 2 };
 
 struct Schedule {
   int units[2];        // units of each problem, in schedule order
   int kblocks[2];      // k-blocks of each of its units (>= 1)
   int total_units;     // units[0] + units[1]
   int clusters;        // G: clusters of the grid
-  int stream_k;        // 0: tiles; 1: stream-K
+  int kind;            // what runs: kScheduleTiles or kScheduleStreamK
   int dp_units;        // units run whole, round robin (all of them under tiles)
   long long dp_iters;  // their k-blocks: the shares' iterations start here
   long long iters;     // k-blocks of all units
-  int split;           // 1: the split schedule
-  int tail[2], tail_first[2], parts[2];  // split: problem e's units after dp_units, the first, parts a unit
-  int items;           // split: sum of tail[e] * parts[e]
-  int slots;           // workspace slots of partials (0: none; stream-K: one a cluster; split: one a spill)
+  int slots;           // workspace slots of partials (0: none; stream-K: one a cluster)
 };
 
 struct Segment {
@@ -77,7 +62,7 @@ struct Segment {
 struct Walk {
   long long begin, it;  // stream-K: the share's first iteration, and the end of what is left of it
   int u;                // tiles: the next unit
-  int g, item;          // the cluster; split: its next item
+  int g;                // the cluster
 };
 
 MMFUSE_SCHEDULE_FN long long share_begin(const Schedule& s, int g) {
@@ -85,7 +70,7 @@ MMFUSE_SCHEDULE_FN long long share_begin(const Schedule& s, int g) {
 }
 
 MMFUSE_SCHEDULE_FN Walk walk_start(const Schedule& s, int g) {
-  return {share_begin(s, g), share_begin(s, g + 1), g, g, g};
+  return {share_begin(s, g), share_begin(s, g + 1), g, g};
 }
 
 // The clusters whose spilled partials a gathering segment of cluster g adds: first .. g - 1.
@@ -96,23 +81,11 @@ MMFUSE_SCHEDULE_FN int gather_first(const Schedule& s, int g, long long unit_beg
 }
 
 // Cluster g's next segment (w from walk_start(s, g)): its whole units, then its share from the end
-// back (split: its items in order); false once its work is done.
+// back; false once its work is done.
 MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
   if (w.u < s.dp_units) {  // a whole unit
     seg = {w.u, 0, s.kblocks[w.u >= s.units[0]], false, false, 0, 0, 0};
     w.u += s.clusters;
-    return true;
-  }
-  if (s.split) {
-    if (w.item >= s.items) return false;
-    const int i = w.item;
-    w.item += s.clusters;
-    const int b = i >= s.tail[0] * s.parts[0];  // the problem
-    const int r = b ? i - s.tail[0] * s.parts[0] : i;
-    const int p = r / s.tail[b], j = r - p * s.tail[b], n = s.parts[b], kbs = s.kblocks[b];
-    const int base = b ? s.tail[0] * (s.parts[0] - 1) : 0;  // the problem's first spill slot
-    seg = {s.tail_first[b] + j, int((long long)p * kbs / n), int((long long)(p + 1) * kbs / n), p + 1 < n,
-           p + 1 == n && n > 1, base + (p + 1 < n ? p : 0) * s.tail[b] + j, s.tail[b], p + 1 == n ? n - 1 : 0};
     return true;
   }
   if (w.it <= w.begin) return false;  // (under tiles every share is empty)
@@ -131,7 +104,7 @@ MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
   return true;
 }
 
-// Workspace of `slots` slots of partials (stream-K: one a cluster; split: one a spilling item), each
+// Workspace of `slots` slots of partials (stream-K: one a cluster), each
 // of kPartsPerSlot parts, one a (CTA rank, consumer warpgroup) of the unit: a 64-bit flag a part
 // (256-byte aligned), then an fp32 partial block a part (one warpgroup's 128 threads x 128 accumulators).
 constexpr int kPartsPerSlot = 4;
@@ -170,52 +143,9 @@ inline long long schedule_iters(const Schedule& s, int n) {
 constexpr int kStreamKMinKBlocks = 64;
 constexpr long long kSplitCost = 4;
 
-// The split schedule on g clusters after dp whole units: the parts a unit of each problem (problem
-// 0: 1-4, few phases; problem 1: 1-16, its work spread thin) that leave the busiest cluster the
-// fewest k-blocks, counting kSplitCost / 2 for each spilling or gathering item, with the workspace
-// holding the spills (fewer spills on a tie).
-inline void choose_split(Schedule& s, int g, int dp, size_t workspace_bytes) {
-  s.split = 1;
-  s.clusters = g;
-  s.dp_units = dp;
-  s.dp_iters = schedule_iters(s, dp);
-  const int past = std::max(0, dp - s.units[0]);  // problem 1's units among the whole ones
-  s.tail[0] = std::max(0, s.units[0] - dp);
-  s.tail[1] = s.units[1] - past;
-  s.tail_first[0] = dp;
-  s.tail_first[1] = s.units[0] + past;
-  std::vector<long long> whole(size_t(g), 0);
-  for (int u = 0; u < dp; ++u) whole[size_t(u % g)] += s.kblocks[u >= s.units[0]];
-  long long best = -1;
-  for (int n0 = 1; n0 <= 4; ++n0) {
-    for (int n1 = 1; n1 <= 16; n1 *= 2) {
-      const int n[2] = {s.tail[0] ? std::min(n0, s.kblocks[0]) : 1, s.tail[1] ? std::min(n1, s.kblocks[1]) : 1};
-      if (n[0] != n0 && n0 > 1) continue;  // (the same parts as a smaller n0)
-      if (n[1] != n1 && n1 > 1) continue;
-      const int slots = s.tail[0] * (n[0] - 1) + s.tail[1] * (n[1] - 1);
-      if (schedule_workspace_bytes(slots) > workspace_bytes && slots > 0) continue;
-      std::vector<long long> load = whole;
-      int i = 0;
-      for (int e = 0; e < 2; ++e)
-        for (int p = 0; p < n[e]; ++p)
-          for (int j = 0; j < s.tail[e]; ++j, ++i)
-            load[size_t(i % g)] += ((long long)(p + 1) * s.kblocks[e] / n[e] - (long long)p * s.kblocks[e] / n[e]) +
-                                   (n[e] > 1 ? kSplitCost / 2 : 0);
-      const long long span = *std::max_element(load.begin(), load.end());
-      if (best < 0 || span < best || (span == best && slots < s.slots)) {
-        best = span;
-        s.parts[0] = n[0];
-        s.parts[1] = n[1];
-        s.slots = slots;
-        s.items = i;
-      }
-    }
-  }
-}
-
 // The schedule of units[e] units of kblocks[e] k-blocks each on at most max_clusters clusters:
-// `mode` kScheduleTiles, kScheduleStreamK or kScheduleSplit forces one (stream-K only where
-// workspace_bytes holds its slots); kScheduleAuto as above (never split).
+// `mode` kScheduleTiles or kScheduleStreamK forces one (stream-K only where workspace_bytes holds
+// its slots); kScheduleAuto as above.
 inline Schedule make_schedule(const int (&units)[2], const int (&kblocks)[2], int max_clusters, int mode,
                               size_t workspace_bytes) {
   Schedule s{};
@@ -236,12 +166,11 @@ inline Schedule make_schedule(const int (&units)[2], const int (&kblocks)[2], in
             (mode == kScheduleAuto && s.kblocks[0] >= kStreamKMinKBlocks &&
              tiles_makespan(s, tiles_g, s.total_units) > sk_span + kSplitCost);
   sk = sk && s.total_units > 0 && workspace_bytes >= schedule_workspace_bytes(sk_g);
-  s.stream_k = sk ? 1 : 0;
+  s.kind = sk ? kScheduleStreamK : kScheduleTiles;
   s.clusters = sk ? sk_g : tiles_g;
   s.dp_units = sk ? dp : s.total_units;
   s.dp_iters = sk ? dp_iters : s.iters;
   s.slots = sk ? sk_g : 0;
-  if (mode == kScheduleSplit && s.total_units > 0) choose_split(s, sk_g, dp, workspace_bytes);
   return s;
 }
 

@@ -168,8 +168,6 @@ TEST(DualGemmCpu, BadInputNamesTheProblem) {
 // resident). Stream-K: the same number of whole units on every cluster (a multiple of G in all), a
 // share of at most ceil(R / G) of the remaining R k-blocks, from its end back; only the share's
 // segment run first spills and only the one run last gathers, from clusters of lower index only.
-// Split: each tail unit of problem e in parts[e] equal runs (within a k-block), a spill per part
-// but the last.
 TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
   using namespace mmfuse::detail;
   std::mt19937_64 rng(test_seed());
@@ -180,23 +178,22 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
     const int units[2] = {pick(0, many ? 600 : 150), pick(0, 40)}, kblocks[2] = {pick(1, 180), pick(1, 180)};
     const int max_clusters = std::vector<int>{1, 2, 7, 66, 132}[trial % 5];
     if (units[0] + units[1] == 0) continue;
-    for (int mode : {kScheduleTiles, kScheduleStreamK, kScheduleSplit}) {
+    for (int mode : {kScheduleTiles, kScheduleStreamK}) {
       const Schedule s = make_schedule(units, kblocks, max_clusters, mode, plenty);
       const std::string where = "units " + std::to_string(units[0]) + "/" + std::to_string(units[1]) + " kblocks " +
                                 std::to_string(kblocks[0]) + "/" + std::to_string(kblocks[1]) + " clusters " +
                                 std::to_string(max_clusters) + " mode " + std::to_string(mode);
-      ASSERT_EQ(s.stream_k, mode == kScheduleStreamK ? 1 : 0) << where;
-      ASSERT_EQ(s.split, mode == kScheduleSplit ? 1 : 0) << where;
+      ASSERT_EQ(s.kind, mode) << where;  // (plenty of workspace: what is asked for)
       ASSERT_GE(s.clusters, 1) << where;
       ASSERT_LE(s.clusters, max_clusters) << where;
       ASSERT_EQ(s.iters, (long long)units[0] * kblocks[0] + (long long)units[1] * kblocks[1]) << where;
-      if (s.stream_k || s.split) {
+      if (s.kind == kScheduleStreamK) {
         ASSERT_EQ(s.dp_units % s.clusters, 0) << where;
       } else {
         ASSERT_EQ(s.dp_units, s.total_units) << where;
         ASSERT_EQ(s.slots, 0) << where;
       }
-      if (s.stream_k) ASSERT_LE(s.clusters, s.iters - s.dp_iters) << where;
+      if (s.kind == kScheduleStreamK) ASSERT_LE(s.clusters, s.iters - s.dp_iters) << where;
       std::vector<std::vector<int>> runs(size_t(s.total_units));
       for (int u = 0; u < s.total_units; ++u) runs[size_t(u)].assign(size_t(s.kblocks[u >= units[0]]), 0);
       std::vector<std::vector<Segment>> segs(size_t(s.clusters));
@@ -213,13 +210,13 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
             ASSERT_EQ(seg.u % s.clusters, g) << where;
             ++whole[size_t(g)];
           } else {
-            if (s.stream_k && segs[size_t(g)].size() > whole[size_t(g)])
+            if (s.kind == kScheduleStreamK && segs[size_t(g)].size() > whole[size_t(g)])
               ASSERT_LT(seg.u, segs[size_t(g)].back().u) << where << ": the share runs from its end back";
             share += seg.kb_end - seg.kb_begin;
           }
           segs[size_t(g)].push_back(seg);
         }
-        if (s.stream_k) {
+        if (s.kind == kScheduleStreamK) {
           ASSERT_EQ(whole[size_t(g)], size_t(s.dp_units / s.clusters)) << where;
           ASSERT_LE(share, (s.iters - s.dp_iters + s.clusters - 1) / s.clusters) << where << " cluster " << g;
         }
@@ -231,27 +228,25 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
         for (size_t i = 0; i < segs[size_t(g)].size(); ++i) {
           const Segment& seg = segs[size_t(g)][i];
           const int kbs = s.kblocks[seg.u >= units[0]];
-          const bool split_unit = s.split && seg.u >= s.dp_units && s.parts[seg.u >= units[0]] > 1;
-          ASSERT_EQ(seg.spill, (s.stream_k || split_unit) && seg.kb_end < kbs) << where;
-          ASSERT_EQ(seg.gather, (s.stream_k || split_unit) && seg.kb_begin > 0 && seg.kb_end == kbs) << where;
+          const bool sk = s.kind == kScheduleStreamK;
+          ASSERT_EQ(seg.spill, sk && seg.kb_end < kbs) << where;
+          ASSERT_EQ(seg.gather, sk && seg.kb_begin > 0 && seg.kb_end == kbs) << where;
           if (seg.spill) {
             ASSERT_GE(seg.slot, 0) << where;
             ASSERT_LT(seg.slot, s.slots) << where;
             ASSERT_EQ(spilled.count(seg.slot), 0u) << where << ": slot " << seg.slot << " written twice";
             spilled[seg.slot] = seg;
-            if (s.stream_k) ASSERT_EQ(i, whole[size_t(g)]) << where;
+            ASSERT_EQ(i, whole[size_t(g)]) << where;
           }
-          if (seg.gather && s.stream_k) ASSERT_EQ(i + 1, segs[size_t(g)].size()) << where;
+          if (seg.gather) ASSERT_EQ(i + 1, segs[size_t(g)].size()) << where;
         }
       size_t gathered = 0;
       for (int g = 0; g < s.clusters; ++g)
         for (const Segment& seg : segs[size_t(g)]) {
           if (!seg.gather) continue;
           ASSERT_GE(seg.partials, 1) << where;
-          if (s.stream_k) {
-            ASSERT_EQ(seg.slot_stride, 1) << where;
-            ASSERT_EQ(seg.slot + seg.partials, g) << where << ": a cluster waits only on clusters of lower index";
-          }
+          ASSERT_EQ(seg.slot_stride, 1) << where;
+          ASSERT_EQ(seg.slot + seg.partials, g) << where << ": a cluster waits only on clusters of lower index";
           int next_kb = 0;
           for (int h = 0; h < seg.partials; ++h) {
             const int slot = seg.slot + h * seg.slot_stride;
@@ -296,16 +291,16 @@ TEST(DualGemmSchedule, AutoAndWorkspace) {
   ASSERT_LE(schedule_workspace_bytes(66), ws);  // H100 / H200: 132 SMs, 66 clusters of two
   // tiny-small dX on 66 clusters: 32 units of 172 k-blocks and 8 of 43 leave 26 clusters idle
   const Schedule dx = make_schedule({32, 8}, {172, 43}, 66, kScheduleAuto, ws);
-  EXPECT_EQ(dx.stream_k, 1);
+  EXPECT_EQ(dx.kind, kScheduleStreamK);
   EXPECT_EQ(dx.clusters, 66);
   // tiny-small fwd: 172 + 11 units of 32 k-blocks; stream-K would cut the busiest cluster from 96 to
   // 89 k-blocks, but its units are short (measured slower there): tiles
   const Schedule fwd = make_schedule({172, 11}, {32, 32}, 66, kScheduleAuto, ws);
-  EXPECT_EQ(fwd.stream_k, 0);
-  EXPECT_EQ(make_schedule({172, 11}, {64, 64}, 66, kScheduleAuto, ws).stream_k, 1);
+  EXPECT_EQ(fwd.kind, kScheduleTiles);
+  EXPECT_EQ(make_schedule({172, 11}, {64, 64}, 66, kScheduleAuto, ws).kind, kScheduleStreamK);
   // three whole waves of equal units: nothing to gain from a split
   const Schedule even = make_schedule({198, 0}, {32, 1}, 66, kScheduleAuto, ws);
-  EXPECT_EQ(even.stream_k, 0);
+  EXPECT_EQ(even.kind, kScheduleTiles);
   EXPECT_EQ(even.clusters, 66);
   // the large forward, 1376 + 44 units of 32 k-blocks: 21.5 waves, the first 20 whole
   const Schedule large = make_schedule({1376, 44}, {32, 32}, 66, kScheduleStreamK, ws);
@@ -313,16 +308,8 @@ TEST(DualGemmSchedule, AutoAndWorkspace) {
   EXPECT_EQ(large.dp_iters, 20 * 66 * 32);
   // too small a workspace: whole tiles, even when stream-K is asked for
   const Schedule small = make_schedule({32, 8}, {172, 43}, 66, kScheduleStreamK, schedule_workspace_bytes(66) - 1);
-  EXPECT_EQ(small.stream_k, 0);
+  EXPECT_EQ(small.kind, kScheduleTiles);
   EXPECT_EQ(small.clusters, 40);
-  // split, tiny-small dX: 32 units halved (two k phases) and 8 in eighths, 92 k-blocks on the busiest
-  // cluster (tiles 172, stream-K 89), 88 slots within the workspace
-  const Schedule split = make_schedule({32, 8}, {172, 43}, 66, kScheduleSplit, ws);
-  EXPECT_EQ(split.split, 1);
-  EXPECT_EQ(split.parts[0], 2);
-  EXPECT_EQ(split.parts[1], 8);
-  EXPECT_EQ(split.slots, 32 + 8 * 7);
-  EXPECT_LE(schedule_workspace_bytes(split.slots), ws);
   // fewer k-blocks than clusters: one k-block a cluster
   const Schedule tiny = make_schedule({1, 2}, {3, 1}, 66, kScheduleStreamK, ws);
   EXPECT_EQ(tiny.clusters, 5);
@@ -346,7 +333,7 @@ TEST(DualGemmCuda, AllLayoutsAgainstFloat64) {
 }
 
 // The persistent kernel itself, every layout, under each schedule (whole tiles; stream-K, whose
-// shares here split a unit across up to 64 clusters; split, units in equal parts): partial tiles in m, n and k, an empty expert,
+// shares here split a unit across up to 64 clusters): partial tiles in m, n and k, an empty expert,
 // the costlier problem second (the schedule reorders them), several tiles a CTA, fp32 outputs and
 // accumulation, both epilogues (TMA stores clipped at the output's edges; stores from registers).
 // Its operands need 16-byte row strides: the stored rows' lengths are multiples of 8, and the
@@ -358,7 +345,7 @@ TEST(DualGemmCuda, PersistentKernelAgainstFloat64) {
   const Expert aligned[][2] = {{{128, 256, 64}, {8, 8, 8}},          {{136, 264, 200}, {0, 24, 16}},
                                {{8, 16, 2048}, {264, 264, 256}},    {{264, 520, 72}, {128, 136, 72}},
                                {{200, 328, 40}, {72, 8, 24}},       {{136, 24, 4096}, {8, 8, 8}}};
-  for (const char* schedule : {"tiles", "stream-k", "split"}) {
+  for (const char* schedule : {"tiles", "stream-k"}) {
     ScopedEnv sched("MMFUSE_DUAL_GEMM_SCHEDULE", schedule);
     for (bool ta : {false, true})
       for (bool tb : {false, true})

@@ -148,7 +148,7 @@ def test_bad_input(monkeypatch):
                 mmfuse.dual_gemm(a8, w8, a8, w8)
             monkeypatch.setenv("MMFUSE_DUAL_GEMM_EPILOGUE", "auto")
             monkeypatch.setenv("MMFUSE_DUAL_GEMM_SCHEDULE", "halves")
-            with pytest.raises(ValueError, match="MMFUSE_DUAL_GEMM_SCHEDULE: expected auto, tiles, stream-k or split, got 'halves'"):
+            with pytest.raises(ValueError, match="MMFUSE_DUAL_GEMM_SCHEDULE: expected auto, tiles or stream-k, got 'halves'"):
                 mmfuse.dual_gemm(a8, w8, a8, w8)
 
 
@@ -159,12 +159,11 @@ def test_bad_input(monkeypatch):
 @pytest.mark.parametrize("shapes", [((1024, 2752, 2048), (128, 688, 2048)), ((264, 520, 72), (0, 24, 16)),
                                     ((8, 16, 1000), (136, 264, 200))])
 @pytest.mark.parametrize("epilogue", ["auto", "registers"])
-@pytest.mark.parametrize("schedule", ["tiles", "stream-k", "split"])
+@pytest.mark.parametrize("schedule", ["tiles", "stream-k"])
 def test_persistent_kernel_against_float64(ta, tb, dtype, shapes, epilogue, schedule, monkeypatch):
     """The sm_90a kernel forced (MMFUSE_DUAL_GEMM_PATH=persistent; on other GPUs the cuBLASLt path
     runs) with each epilogue (auto: TMA stores for these 16-bit outputs; fp32 accumulation always
-    from registers) and each schedule (whole tiles; stream-K, k split across clusters; split, units in
-    equal parts): float64 bound, every output written (poisoned buffers), bitwise equal across runs."""
+    from registers) and each schedule (whole tiles; stream-K, k split across clusters): float64 bound, every output written (poisoned buffers), bitwise equal across runs."""
     monkeypatch.setenv("MMFUSE_DUAL_GEMM_EPILOGUE", epilogue)
     monkeypatch.setenv("MMFUSE_DUAL_GEMM_SCHEDULE", schedule)
     g = torch.Generator().manual_seed(hash((ta, tb, str(dtype), shapes)) % 2 ** 31)
@@ -187,7 +186,7 @@ def test_persistent_kernel_against_float64(ta, tb, dtype, shapes, epilogue, sche
 
 
 @needs_gpu
-@pytest.mark.parametrize("path", ["cublaslt", "persistent:tiles", "persistent:stream-k", "persistent:split"])
+@pytest.mark.parametrize("path", ["cublaslt", "persistent:tiles", "persistent:stream-k"])
 def test_cuda_graph_capture_and_no_host_sync(path, monkeypatch):
     """Captured and replayed twice; the stream-K schedule's flags in the workspace must be clear again
     after each replay."""

@@ -4,7 +4,7 @@ bf16 GEMM ceiling (8192^3) of the same run. Shapes are ``m x k x n`` an expert (
 
 Columns: time of the path the heuristic picks (``mmfuse``) and of each path forced
 (``MMFUSE_DUAL_GEMM_PATH``: ``cublaslt``, ``persistent`` under each ``MMFUSE_DUAL_GEMM_SCHEDULE``:
-``tiles``, ``stream-k``, ``split``), TFLOP/s, ``% ideal`` = ``(F0 + F1) / R_big``
+``tiles``, ``stream-k``), TFLOP/s, ``% ideal`` = ``(F0 + F1) / R_big``
 over our time, where ``R_big`` is cuBLAS's rate on the big problem alone (issue 5's target: >= 98 %),
 and the speedup over the two cuBLAS calls. ``persistent / cuBLASLt`` is the persistent kernel's time
 (its auto schedule) over the cuBLASLt path's, from pairs of samples taken back to back (median and
@@ -72,7 +72,7 @@ def run(device: str, quick: bool = False) -> dict:
     rows = []
     print(f"\n## dual GEMM ({dt}; fp32 accumulate; baseline = two torch.matmul calls)")
     hdr = (f"| {'case':<46} | {'GEMM':<4} | {'mmfuse us':>9} | {'cuBLASLt us':>11} | {'tiles us':>8} | "
-           f"{'stream-K us':>11} | {'split us':>8} | {'persistent / cuBLASLt':>21} | "
+           f"{'stream-K us':>11} | {'persistent / cuBLASLt':>21} | "
            f"{'2x cuBLAS us':>12} | {'big alone us':>12} | {'TFLOP/s':>7} | {'% ideal':>7} | {'speedup':>7} | verified |")
     print(hdr)
     print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
@@ -82,8 +82,7 @@ def run(device: str, quick: bool = False) -> dict:
             (a1, w1), _, ref1, f1 = _problems(s1, which, dt, device, g)
             refs = (ref0(), ref1())
             verdicts, times = [], {}
-            variants = ((None, None), ("cublaslt", None), ("persistent", "tiles"), ("persistent", "stream-k"),
-                        ("persistent", "split"))
+            variants = ((None, None), ("cublaslt", None), ("persistent", "tiles"), ("persistent", "stream-k"))
             for path, schedule in variants if device == "cuda" else variants[:1]:
                 with env("MMFUSE_DUAL_GEMM_PATH", path), env("MMFUSE_DUAL_GEMM_SCHEDULE", schedule):
                     ours = mmfuse.dual_gemm(a0, w0, a1, w1, ta, tb)
@@ -105,14 +104,13 @@ def run(device: str, quick: bool = False) -> dict:
             ideal_us = t_big * (f0 + f1) / f0
             row = dict(case=name, gemm=which, us=t_ours, cublaslt_us=times.get("cublaslt", t_ours),
                        tiles_us=times.get("tiles", t_ours), stream_k_us=times.get("stream-k", t_ours),
-                       split_us=times.get("split", t_ours),
                        persistent_over_cublaslt=paired[0], persistent_over_cublaslt_range=paired[1],
                        two_cublas_us=t_two, big_alone_us=t_big,
                        tflops=(f0 + f1) / (t_ours * 1e-6) / 1e12, pct_ideal=100 * ideal_us / t_ours,
                        speedup=t_two / t_ours, verified=verified)
             rows.append(row)
             print(f"| {name:<46} | {which:<4} | {t_ours:9.1f} | {row['cublaslt_us']:11.1f} | {row['tiles_us']:8.1f} | "
-                  f"{row['stream_k_us']:11.1f} | {row['split_us']:8.1f} | {_ratio(paired):>21} | "
+                  f"{row['stream_k_us']:11.1f} | {_ratio(paired):>21} | "
                   f"{t_two:12.1f} | {t_big:12.1f} | {row['tflops']:7.0f} | "
                   f"{row['pct_ideal']:7.1f} | {row['speedup']:6.2f}x | {verified:<8} |")
             del a0, w0, a1, w1, ours, refs
