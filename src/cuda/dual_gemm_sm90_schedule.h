@@ -104,9 +104,9 @@ MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
   return true;
 }
 
-// Workspace of `slots` slots of partials (stream-K: one a cluster), each
-// of kPartsPerSlot parts, one a (CTA rank, consumer warpgroup) of the unit: a 64-bit flag a part
-// (256-byte aligned), then an fp32 partial block a part (one warpgroup's 128 threads x 128 accumulators).
+// Workspace of `slots` slots of partials (stream-K: one a cluster), each of kPartsPerSlot parts, one
+// a (CTA rank, consumer warpgroup) of the unit: a 64-bit flag a part (256-byte aligned), then an fp32
+// partial block a part (one warpgroup's 128 threads x 128 accumulators).
 constexpr int kPartsPerSlot = 4;
 constexpr int kPartialFloats = 128 * 128;
 inline size_t schedule_flag_bytes(int slots) { return (size_t(slots) * kPartsPerSlot * 8 + 255) / 256 * 256; }
