@@ -21,9 +21,9 @@
 // take the operands); MMFUSE_DUAL_GEMM_SCHEDULE = tiles | stream-k forces the persistent kernel's
 // schedule (whole output tiles a cluster; or the last units' k-blocks shared out across clusters,
 // through fp32 partials in the workspace, summed in a fixed order).
-// Today the heuristic picks cuBLASLt everywhere: the persistent kernel is correct, but at best 1-2 %
-// faster (3 of the 12 benchmark GEMMs, within the spread between runs) and slower elsewhere
-// (docs/benchmarks.md, 2026-12-05 21:28).
+// Today the heuristic picks cuBLASLt everywhere: the persistent kernel is correct, but at best about
+// 1 % faster (2 of the 12 benchmark GEMMs in two runs, with no shape rule that separates them) and
+// slower elsewhere (docs/benchmarks.md, 2026-12-05 21:28 and 2026-12-06 02:16).
 #pragma once
 
 #include "mmfuse/common.h"

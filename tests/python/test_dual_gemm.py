@@ -163,7 +163,8 @@ def test_bad_input(monkeypatch):
 def test_persistent_kernel_against_float64(ta, tb, dtype, shapes, epilogue, schedule, monkeypatch):
     """The sm_90a kernel forced (MMFUSE_DUAL_GEMM_PATH=persistent; on other GPUs the cuBLASLt path
     runs) with each epilogue (auto: TMA stores for these 16-bit outputs; fp32 accumulation always
-    from registers) and each schedule (whole tiles; stream-K, k split across clusters): float64 bound, every output written (poisoned buffers), bitwise equal across runs."""
+    from registers) and each schedule (whole tiles; stream-K, k split across clusters): float64
+    bound, every output written (poisoned buffers), bitwise equal across runs."""
     monkeypatch.setenv("MMFUSE_DUAL_GEMM_EPILOGUE", epilogue)
     monkeypatch.setenv("MMFUSE_DUAL_GEMM_SCHEDULE", schedule)
     g = torch.Generator().manual_seed(hash((ta, tb, str(dtype), shapes)) % 2 ** 31)
