@@ -434,7 +434,7 @@ __device__ __forceinline__ void gather_partials(float (&d)[128], const Params& p
                                                 int c, unsigned long long token) {
   const int tid = threadIdx.x % 128;
   for (int h = 0; h < seg.partials; ++h) {
-    const int part = slot_part(seg.slot + h * seg.slot_stride, rank, c);
+    const int part = slot_part(seg.slot + h, rank, c);
     if (tid == 0) {
       unsigned long long f;
       do {

@@ -55,8 +55,8 @@ struct Schedule {
 struct Segment {
   int u, kb_begin, kb_end;  // unit, and its k-blocks [kb_begin, kb_end)
   bool spill, gather;
-  int slot;                   // spill: the workspace slot written; gather: the first slot added
-  int slot_stride, partials;  // gather: slots slot + h * slot_stride, h < partials, in k order
+  int slot;      // spill: the workspace slot written; gather: the first slot added
+  int partials;  // gather: slots slot + h, h < partials, in k order
 };
 
 struct Walk {
@@ -84,7 +84,7 @@ MMFUSE_SCHEDULE_FN int gather_first(const Schedule& s, int g, long long unit_beg
 // back; false once its work is done.
 MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
   if (w.u < s.dp_units) {  // a whole unit
-    seg = {w.u, 0, s.kblocks[w.u >= s.units[0]], false, false, 0, 0, 0};
+    seg = {w.u, 0, s.kblocks[w.u >= s.units[0]], false, false, 0, 0};
     w.u += s.clusters;
     return true;
   }
@@ -99,7 +99,7 @@ MMFUSE_SCHEDULE_FN bool next_segment(const Schedule& s, Walk& w, Segment& seg) {
   const int kb_begin = int(seg_begin - unit_begin);
   const bool spill = kb_last + 1 < kbs, gather = kb_last + 1 == kbs && kb_begin > 0;
   const int from = gather ? gather_first(s, w.g, unit_begin) : w.g;
-  seg = {(e ? s.units[0] : 0) + int(rel / kbs), kb_begin, kb_last + 1, spill, gather, from, 1, gather ? w.g - from : 0};
+  seg = {(e ? s.units[0] : 0) + int(rel / kbs), kb_begin, kb_last + 1, spill, gather, from, gather ? w.g - from : 0};
   w.it = seg_begin;
   return true;
 }

@@ -245,11 +245,10 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
         for (const Segment& seg : segs[size_t(g)]) {
           if (!seg.gather) continue;
           ASSERT_GE(seg.partials, 1) << where;
-          ASSERT_EQ(seg.slot_stride, 1) << where;
           ASSERT_EQ(seg.slot + seg.partials, g) << where << ": a cluster waits only on clusters of lower index";
           int next_kb = 0;
           for (int h = 0; h < seg.partials; ++h) {
-            const int slot = seg.slot + h * seg.slot_stride;
+            const int slot = seg.slot + h;
             ASSERT_TRUE(spilled.count(slot)) << where << " slot " << slot;
             const Segment& part = spilled[slot];
             ASSERT_EQ(part.u, seg.u) << where;
@@ -270,7 +269,7 @@ TEST(DualGemmSchedule, EveryKBlockOnceAndEverySplitGathered) {
           while (at[size_t(g)] < list.size()) {
             const Segment& seg = list[at[size_t(g)]];
             bool ready = true;
-            for (int h = 0; h < seg.partials; ++h) ready = ready && written[size_t(seg.slot + h * seg.slot_stride)];
+            for (int h = 0; h < seg.partials; ++h) ready = ready && written[size_t(seg.slot + h)];
             if (!ready) break;
             if (seg.spill) written[size_t(seg.slot)] = true;
             ++at[size_t(g)];
