@@ -278,6 +278,26 @@ __device__ __forceinline__ void pdl_wait_primary() {
 #endif
 }
 
+// The launch configuration of a kernel that follows another in `stream`: with `pdl`, a programmatic
+// dependent launch (the kernel calls pdl_wait_primary() before it reads what the one before wrote),
+// else plain stream order. cfg points into the object: not copyable.
+struct DependentLaunch {
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  DependentLaunch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+  }
+  DependentLaunch(const DependentLaunch&) = delete;
+  DependentLaunch& operator=(const DependentLaunch&) = delete;
+};
+
 template <bool kTwo>
 __global__ void __launch_bounds__(kPlanThreads) moe_count_kernel(PlanArgs a) {
   pdl_launch_dependents();
@@ -1121,6 +1141,7 @@ __global__ void __launch_bounds__(256) moe_zero_rows_kernel(const uint32_t* __re
   using U = typename Bytes<B>::type;
   __shared__ int32_t rows[256];
   __shared__ int n_rows;
+  pdl_wait_primary();  // a programmatic dependent launch: the row kernel's `covered` bits are all set
   for (int64_t r0 = int64_t(blockIdx.x) * 256; r0 < N; r0 += int64_t(gridDim.x) * 256) {
     if (threadIdx.x == 0) n_rows = 0;
     __syncthreads();
@@ -1250,17 +1271,8 @@ void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map,
     set_smem(rank, smem_rank);
     moe_count_kernel<kTwo><<<unsigned(a.C), kPlanThreads, smem_count, stream>>>(a);
     MMFUSE_CUDA_CHECK_LAUNCH("moe_count_kernel");
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.gridDim = dim3(unsigned(a.C));
-    cfg.blockDim = dim3(kPlanThreads);
-    cfg.dynamicSmemBytes = smem_rank;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, &moe_rank_kernel<kTwo>, a));
+    const DependentLaunch launch(dim3(unsigned(a.C)), dim3(kPlanThreads), smem_rank, stream, pdl);
+    MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, &moe_rank_kernel<kTwo>, a));
     MMFUSE_CUDA_CHECK_LAUNCH("moe_rank_kernel");
   };
   if (E <= 2)
@@ -1397,8 +1409,17 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
           if (N == 0 || H == 0) return;
           constexpr int B = VEC * int(sizeof(D));
           const unsigned grid = unsigned(std::min<int64_t>((N + 255) / 256, int64_t(1) << 20));
-          moe_zero_rows_kernel<B><<<grid, 256, 0, stream>>>(covered, static_cast<char*>(dy.data),
-                                                            dy.stride[0] * es, N, V);
+          // a programmatic dependent launch on sm_90+: its launch overlaps the row kernel's last
+          // blocks. Measured on an H100 (2026-12-06 ~04:37 UTC, % of copy, stream order vs PDL):
+          // two experts T16k H2048 83.7 vs 85.4, H4096 90.7 vs 91.9; top-2 of 8 T16k H4096 92.4 vs
+          // 93.3; top-2 of 64 T32k H2048 91.6 vs 92.5; top-8 of 64 T64k H2048 93.7 vs 93.7. (Two
+          // experts T16k H2048: the row kernel 72.6 us, this kernel 1.7, the memset of `covered`
+          // 1.2; the whole op 79.3, event-timed.)
+          auto kernel = &moe_zero_rows_kernel<B>;
+          const bool pdl = cuda::kernel_arch(reinterpret_cast<const void*>(kernel)) >= 90;
+          const DependentLaunch launch(dim3(grid), dim3(256), 0, stream, pdl);
+          MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, static_cast<const uint32_t*>(covered),
+                                               static_cast<char*>(dy.data), dy.stride[0] * es, N, V));
           MMFUSE_CUDA_CHECK_LAUNCH("moe_zero_rows_kernel");
         };
         const BwdPath path = bwd_path();

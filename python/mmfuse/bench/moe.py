@@ -11,6 +11,12 @@ import mmfuse
 
 from .common import Row, copy_bandwidth_gbs, env, print_table, time_us
 
+try:  # the sweep's fan-out ceiling only
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 
 def _routing(T, K, E, device, seed, skew=None):
     """Top-K of E per token from random logits (distinct experts a token); skew: for E = 2, K = 1, the
@@ -155,12 +161,51 @@ def _copy_us(nbytes, it):
     return time_us(lambda: dst.copy_(src), "cuda", **it)[0]
 
 
+if triton is not None:
+    @triton.jit
+    def _fanout_kernel(x, out, n, K: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr):
+        """out[k] = x for k < K, x read once (evict-first), BLOCK elements a program."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        v = tl.load(x + offs, mask=m, eviction_policy="evict_first")
+        for k in tl.static_range(K):
+            if STREAM:
+                tl.store(out + k * n + offs, v, mask=m, cache_modifier=".cs")
+            else:
+                tl.store(out + k * n + offs, v, mask=m)
+
+
+def _fanout_us(T, H, K, it):
+    """Time of the best streaming kernel for the permute's traffic: each element of a [T, H] bf16
+    tensor read once and written to K contiguous copies (Triton, plain and streaming-store variants,
+    two block sizes; the fastest counts): the ceiling of the permute's bytes-per-second, next to the
+    1 GiB copy's. None where Triton is not installed."""
+    if triton is None:
+        return None, "triton not installed"
+    x = torch.randn(T, H * 2 // 4, device="cuda")  # the bf16 rows' bytes, as 32-bit words
+    out = torch.empty(K, *x.shape, device="cuda")
+    n = x.numel()
+    best, tag = None, ""
+    for block in (2048, 8192):
+        for stream in (False, True):
+            grid = (triton.cdiv(n, block),)
+            fn = lambda: _fanout_kernel[grid](x, out, n, K=K, BLOCK=block, STREAM=stream, num_warps=8)  # noqa: E731
+            fn()
+            if not all(torch.equal(out[k], x) for k in range(K)):
+                return None, f"fan-out K {K} block {block} WRONG"
+            us = time_us(fn, "cuda", **it)[0]
+            if best is None or us < best:
+                best, tag = us, f"block {block}{' .cs stores' if stream else ''}"
+    return best, tag
+
+
 def sweep(quick: bool = True) -> None:
     """Every launch of the plan (MMFUSE_MOE_PLAN: auto, cooperative, two) and every path of the backward
     (MMFUSE_MOE_BWD: auto, tile, general) on the benchmark's cases and a few more, each output compared
     bitwise with the default's, unpermute and the permute of the rows;
     and a copy of the backward's own bytes, so that the fixed cost of a short launch shows next to the
-    1 GiB copy ceiling that the percentages are of."""
+    1 GiB copy ceiling that the percentages are of; and a streaming fan-out of the permute's rows (each
+    read once, written K times contiguously), the ceiling of its traffic without the routing."""
     it = dict(iters=10 if quick else 30)
     ops = torch.ops.mmfuse
     copy = copy_bandwidth_gbs("cuda")
@@ -218,8 +263,11 @@ def sweep(quick: bool = True) -> None:
               f" | a copy of the same {nbytes / 2 ** 20:.0f} MiB: {pct(nbytes, c_us):.1f}")
         u_us, _ = time_us(lambda: mmfuse.moe_unpermute(y, row_map, probs), "cuda", **it)
         p_us, _ = time_us(lambda: ops.moe_permute(dout, row_map, num_out), "cuda", **it)
+        f_us, f_tag = _fanout_us(T, H, K, it)
+        fan = f"{pct(T * H * 2 * (1 + K), f_us):.1f} ({f_tag})" if f_us else f_tag
         print(f"sweep {name}: unpermute {pct(nb['unpermute'], u_us):.1f}, "
-              f"permute rows {pct(nb['permute'], p_us):.1f} % of copy")
+              f"permute rows {pct(nb['permute'], p_us):.1f} % of copy | a fan-out of the same rows, "
+              f"read once and written {K}x contiguously: {fan}")
 
 
 def run(device: str, quick: bool = False) -> dict:
