@@ -133,8 +133,11 @@ bool sm90_can_take(const Sm90Expert (&ex)[2], int device) {
 // 0.86-0.97x elsewhere; with the held epilogue half and the auto schedule (tiles, or stream-K for
 // k >= 4096; H100 21:28) at 1.01-1.02x on the tiny-small fwd and dW and the VLA down dW, 0.86-0.97x
 // elsewhere; again (H100 2026-12-06 02:16, paired samples) 1.01x on the tiny-small fwd and the VLA
-// down dW, 1.00x on the tiny-small dW and VLA gate_up dX, 0.89-0.97x elsewhere. Wins of 1 % on 2 of
-// 12 GEMMs, with no shape rule that separates them from the losses: auto stays cuBLASLt everywhere.
+// down dW, 1.00x on the tiny-small dW and VLA gate_up dX, 0.89-0.97x elsewhere; a third time (H100
+// 2026-12-06 04:36, paired samples) 1.02x on the VLA down dW, 1.00-1.01x on the tiny-small fwd and dW
+// and the VLA gate_up fwd, 0.90-0.98x elsewhere. Wins of 0-2 % on 2 to 4 of 12 GEMMs, only the VLA
+// down dW in all three runs, with no shape rule that separates them from the losses: auto stays
+// cuBLASLt everywhere.
 enum class Path { kLibrary, kPersistent };
 Path choose_path(const Sm90Expert (&ex)[2], int device) {
   const int forced = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_PATH", {"auto", "cublaslt", "persistent"});
