@@ -126,18 +126,12 @@ bool sm90_can_take(const Sm90Expert (&ex)[2], int device) {
 
 // The path of a call. MMFUSE_DUAL_GEMM_PATH=cublaslt or =persistent forces one (persistent only
 // where the kernel can take the problems), for tests and measurements; unset or auto: the shape
-// heuristic. The heuristic's table (docs/benchmarks.md, H200 2026-12-04 21:10: 9 shape pairs x fwd /
-// dX / dW, m 256-8192, k 1024-11008) has the persistent kernel at 0.32-0.91x of the cuBLASLt path
-// on every shape; with the TMA epilogue (H100 2026-12-05 19:25, the benchmark's 4 shape pairs) at
-// 1.00x on the tiny-small fwd and dW, 0.63x on its dX (few output tiles, no split of k) and
-// 0.86-0.97x elsewhere; with the held epilogue half and the auto schedule (tiles, or stream-K for
-// k >= 4096; H100 21:28) at 1.01-1.02x on the tiny-small fwd and dW and the VLA down dW, 0.86-0.97x
-// elsewhere; again (H100 2026-12-06 02:16, paired samples) 1.01x on the tiny-small fwd and the VLA
-// down dW, 1.00x on the tiny-small dW and VLA gate_up dX, 0.89-0.97x elsewhere; a third time (H100
-// 2026-12-06 04:36, paired samples) 1.02x on the VLA down dW, 1.00-1.01x on the tiny-small fwd and dW
-// and the VLA gate_up fwd, 0.90-0.98x elsewhere. Wins of 0-2 % on 2 to 4 of 12 GEMMs, only the VLA
-// down dW in all three runs, with no shape rule that separates them from the losses: auto stays
-// cuBLASLt everywhere.
+// heuristic. Its measurements (docs/benchmarks.md): the persistent kernel at 0.32-0.91x of the
+// cuBLASLt path on 9 shape pairs x fwd / dX / dW (H200 2026-12-04 21:10); since the TMA epilogue and
+// the held epilogue half, on the benchmark's 12 GEMMs in three H100 runs (2026-12-05 21:28,
+// 2026-12-06 02:16 and 04:36, the last two from paired samples), 1.00-1.02x on 2 to 4 of them (only
+// the VLA down dW in all three) and 0.86-0.98x elsewhere. No shape rule separates those wins from
+// the losses: auto stays cuBLASLt everywhere.
 enum class Path { kLibrary, kPersistent };
 Path choose_path(const Sm90Expert (&ex)[2], int device) {
   const int forced = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_PATH", {"auto", "cublaslt", "persistent"});
