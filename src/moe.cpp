@@ -67,9 +67,9 @@ void check_workspace(const char* op, const TensorView& ws, int64_t need, Device 
 
 namespace detail {
 int64_t moe_plan_block_entries(int64_t tk, int64_t E) {
-  // tile: a block's walk of one tile a warp (8 warps x 32 lanes x 4 ids). Blocks sum all chunks'
+  // tile: a block's walk of one tile a warp (8 warps x 32 lanes x 2 ids). Blocks sum all chunks'
   // histogram columns, so the chunk count C is bounded to keep C * E (and the C * C * E reads) small.
-  constexpr int64_t tile = 1024, max_cells = 1 << 13, max_blocks = 1024;
+  constexpr int64_t tile = 512, max_cells = 1 << 13, max_blocks = 1024;
   const int64_t c_max = std::max<int64_t>(1, std::min(max_blocks, max_cells / std::max<int64_t>(E, 1)));
   const int64_t tiles = (tk + tile - 1) / tile;
   return tile * std::max<int64_t>(1, (tiles + c_max - 1) / c_max);
