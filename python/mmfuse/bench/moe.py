@@ -157,8 +157,7 @@ def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat
         # GiB of baseline temporaries, has run its ops ~10 points below the sweep; in one experiment,
         # buffers from fresh segments after that case's memory was released (empty_cache) were ~13
         # points slow even for a copy (2026-12-06).
-        rows_buf = p.rows
-        c_us, c_sp = time_us(lambda: (x.copy_(dout), rows_buf.copy_(y)), device, **it)
+        c_us, c_sp = time_us(lambda: (x.copy_(dout), p.rows.copy_(y)), device, **it)
         rows.append(Row(f"{name} copy of its own buffers", c_us, c_sp, 2 * (T + num_out) * H * x.element_size(),
                         verified="-"))
     return rows
