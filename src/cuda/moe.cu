@@ -406,11 +406,12 @@ int resident_blocks(const void* kernel, size_t smem) { return cuda::resident_blo
 
 constexpr int kFlatThreads = 256, kPermUnroll = 4;
 
-// Blocks for a flattened kernel over `work` items, `per_thread` each: enough to fill the GPU, then loop.
-unsigned flat_blocks(int64_t work, int per_thread) {
-  const int sms = sm_count();
+// Blocks for a flattened kernel over `work` items, `per_thread` each: enough to fill the GPU, then loop
+// (`all`: a block for every item, up to 2^30 blocks, so that the hardware hands out the work).
+unsigned flat_blocks(int64_t work, int per_thread, bool all = false) {
   const int64_t per_block = int64_t(kFlatThreads) * per_thread;
-  return unsigned(std::max<int64_t>(1, std::min<int64_t>((work + per_block - 1) / per_block, int64_t(sms) * 16)));
+  const int64_t cap = all ? int64_t(1) << 30 : int64_t(sm_count()) * 16;
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>((work + per_block - 1) / per_block, cap)));
 }
 
 // Vector j of a flattened [rows, V] walk: (row, col), with a multiply-high division when the walk is
@@ -428,8 +429,9 @@ __device__ __forceinline__ void row_col(int64_t j, uint32_t V, const FastDiv& dv
 }
 
 // out[map[k][t]] = x[t]: thread j moves vector j % V of token j / V to its K rows; each x row is
-// read once. kPermUnroll vectors a thread are loaded before any store.
-template <int B, bool kSmall, int KG>
+// read once. kPermUnroll vectors a thread are loaded before any store. kStream: streaming stores
+// (st.global.cs), which keep the K written copies from evicting the rows still to be read.
+template <int B, bool kSmall, int KG, bool kStream>
 __global__ void __launch_bounds__(kFlatThreads) moe_permute_kernel(const char* __restrict__ x, int64_t xs,
                                                                    char* __restrict__ out, int64_t os, int64_t N,
                                                                    MapRef map, int64_t T, int64_t K, uint32_t V,
@@ -461,7 +463,13 @@ __global__ void __launch_bounds__(kFlatThreads) moe_permute_kernel(const char* _
       for (int u = 0; u < kPermUnroll; ++u)
 #pragma unroll
         for (int kk = 0; kk < KG; ++kk)
-          if (r[u][kk] >= 0) reinterpret_cast<U*>(out + int64_t(r[u][kk]) * os)[col[u]] = v[u];
+          if (r[u][kk] >= 0) {
+            U* dst = reinterpret_cast<U*>(out + int64_t(r[u][kk]) * os) + col[u];
+            if constexpr (kStream)
+              __stcs(dst, v[u]);
+            else
+              *dst = v[u];
+          }
     }
   }
   if (bad.t >= 0) bad_row("moe_permute", map, bad.k, bad.t, N);
@@ -829,10 +837,13 @@ __global__ void __launch_bounds__(kRowThreads) moe_unpermute_bwd_warp_kernel(
   if (dup >= 0) duplicate_row(dup);
 }
 
-// Blocks of a warp-a-token kernel: enough for every token, at most those resident at once.
-unsigned row_blocks(const void* kernel, int64_t T) {
-  return unsigned(std::max<int64_t>(
-      1, std::min<int64_t>((T + kRowWarps - 1) / kRowWarps, cuda::resident_blocks(kernel, kRowThreads, 0))));
+// Blocks of a warp-a-token kernel: enough for every token; at most those resident at once (each
+// warp then walks tokens, the next one's map entries in flight with this one's rows) unless `all`
+// (a warp a token, the blocks handed out by the hardware).
+unsigned row_blocks(const void* kernel, int64_t T, bool all = false) {
+  const int64_t need = (T + kRowWarps - 1) / kRowWarps;
+  return unsigned(
+      std::max<int64_t>(1, all ? need : std::min<int64_t>(need, cuda::resident_blocks(kernel, kRowThreads, 0))));
 }
 
 // ---- token-tile paths (sm_90+): unpermute and its backward ----
@@ -1292,20 +1303,31 @@ void moe_permute_cuda(const TensorView& x, const TensorView& map, TensorView& ou
   const bool small = T * V < (int64_t(1) << 31);
   dispatch_vec(b, [&](auto bc) {
     constexpr int B = decltype(bc)::value;
-    // the map entries of two k a step at K >= 2: H200 2026-12-04 ~17:35 UTC, % of copy, top-2 of 8 T16k
+    // The map entries of two k a step at K >= 2: H200 2026-12-04 ~17:35 UTC, % of copy, top-2 of 8 T16k
     // H4096 88.2 vs 86.9 (one k), top-8 of 64 T64k H2048 85.4 vs 85.1; four or eight k a step
-    // lost (registers: 75 and 99 vs 62; top-2 at eight: 68.8)
-    auto go = [&](auto kgc) {
+    // lost (registers: 75 and 99 vs 62; top-2 at eight: 68.8).
+    // A block for every 1024 vectors, not a grid-stride loop over 16 blocks an SM; streaming stores
+    // at K >= 4. Measured on an H100 (2026-12-06 ~06:15 UTC, % of copy, mean of two runs; 16 blocks
+    // an SM / a block for all / 32 an SM / a block for all with streaming stores): top-2 of 8 T16k
+    // H4096 92.8 / 95.2 / 93.9, T32k H2048 92.8 / 95.2 / 93.9; top-2 of 64 T32k H2048 92.0 / 93.2;
+    // two experts T16k H2048 91.5 / 91.8, T64k H2048 95.7 / 98.2; top-8 of 64 T64k H2048 89.6 /
+    // 91.7 / 90.0 / 92.5, T8k H4096 10 % dropped 89.5 / 91.5 / 91.5 / 92.5 (streaming stores at
+    // K <= 2: 0.1-0.5 lower). Two or eight vectors a thread instead of four: the same or up to 1
+    // point lower.
+    auto go = [&](auto kgc, auto csc) {
       constexpr int KG = decltype(kgc)::value;
-      auto kernel = small ? &moe_permute_kernel<B, true, KG> : &moe_permute_kernel<B, false, KG>;
-      kernel<<<flat_blocks(T * V, kPermUnroll), kFlatThreads, 0, stream>>>(
+      constexpr bool CS = decltype(csc)::value;
+      auto kernel = small ? &moe_permute_kernel<B, true, KG, CS> : &moe_permute_kernel<B, false, KG, CS>;
+      kernel<<<flat_blocks(T * V, kPermUnroll, true), kFlatThreads, 0, stream>>>(
           static_cast<const char*>(x.data), x.stride[0] * es, static_cast<char*>(out.data), out.stride[0] * es, N,
           map_ref(map), T, K, V, FastDiv(V));
     };
-    if (K >= 2)
-      go(std::integral_constant<int, 2>{});
+    if (K >= 4)
+      go(std::integral_constant<int, 2>{}, std::true_type{});
+    else if (K >= 2)
+      go(std::integral_constant<int, 2>{}, std::false_type{});
     else
-      go(std::integral_constant<int, 1>{});
+      go(std::integral_constant<int, 1>{}, std::false_type{});
     MMFUSE_CUDA_CHECK_LAUNCH("moe_permute_kernel");
   });
 }
@@ -1344,10 +1366,18 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                     // 77.3, T64k H1024 86.0 (4 a lane; 8: 77.6) vs 54.4; K = 2 (~18:53): top-2 of 8
                     // T16k H4096 92.0 vs 79.6, H2048 86.7 vs 73.5, H7168 93.6 vs 82.8, T32k H1024
                     // 83.2 vs 71.5, H4096 10 % dropped 88.9 vs 74.8.
+                    // A warp for every token (not only as many as are resident) at K = 1, and at K = 2
+                    // where a token is 4 steps of its lanes or more (V >= 512). Measured on an H100
+                    // (2026-12-06 ~06:15 UTC, % of copy, mean of two runs, resident warps / a warp a
+                    // token): two experts T16k H2048 86.4 / 88.0, H4096 87.6 / 92.7, T64k H2048 91.7 /
+                    // 94.9, T32k H1024 84.8 / 91.3; top-2 of 8 T16k H4096 91.8 / 94.1, T32k H4096
+                    // 94.0 / 96.8, T16k H7168 93.4 / 96.0; but at V = 256, top-2 of 8 T16k H2048 91.5
+                    // / 89.7, T32k H2048 95.7 / 93.8, top-2 of 64 T32k H2048 94.3 / 92.9.
+                    const bool all = K <= 1 || V >= 512;
                     auto go = [&](auto kgc, auto chc) {
                       constexpr int KG = decltype(kgc)::value, CH = decltype(chc)::value;
                       auto kernel = &moe_unpermute_warp_kernel<D, VEC, KG, CH>;
-                      kernel<<<row_blocks(reinterpret_cast<const void*>(kernel), T), kRowThreads, 0, stream>>>(
+                      kernel<<<row_blocks(reinterpret_cast<const void*>(kernel), T, all), kRowThreads, 0, stream>>>(
                           static_cast<const D*>(y.data), y.stride[0], N, static_cast<D*>(out.data), out.stride[0],
                           map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V);
                     };
@@ -1433,6 +1463,9 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
           // vs 81.0; at K = 2 (2 / 4 a lane vs tile): top-2 of 8 T16k H4096 91.5 / 79.6 vs 85.8, T32k
           // H2048 92.1 / 79.2 vs 85.5, top-2 of 64 T32k H2048 90.5 / 78.4 vs 85.9 (4 a lane at K = 2:
           // 154 registers; 8: spills).
+          // Resident warps walking tokens, not a warp a token as unpermute has: a warp a token lost on
+          // an H100 (2026-12-06 ~06:11 UTC, % of copy, mean of two runs): two experts T16k H2048 85.6
+          // vs 82.6, T64k H2048 94.6 vs 90.2, top-2 of 8 T32k H2048 93.8 vs 91.6.
           auto go = [&](auto kgc, auto chc) {
             constexpr int KG = decltype(kgc)::value, CH = decltype(chc)::value;
             auto kernel = &moe_unpermute_bwd_warp_kernel<D, VEC, KG, CH>;
