@@ -81,7 +81,7 @@ int64_t moe_plan_workspace_size(int64_t T, int64_t K, int64_t E) {
   return std::max<int64_t>(1, (tk + per - 1) / per) * std::max<int64_t>(E, 1);
 }
 
-int64_t moe_unpermute_backward_workspace_size(int64_t rows) { return std::max<int64_t>(1, (rows + 31) / 32); }
+int64_t moe_unpermute_backward_workspace_size(int64_t rows) { return std::max<int64_t>(1, rows); }
 
 void moe_plan(const TensorView& idx, int64_t E, int64_t num_out, TensorView& map, TensorView& counts, TensorView& d2s,
               TensorView& ws, cudaStream_t stream) {

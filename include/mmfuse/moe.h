@@ -45,7 +45,7 @@ MMFUSE_API void moe_permute(const TensorView& x, const TensorView& row_id_map, T
 MMFUSE_API void moe_unpermute(const TensorView& y, const TensorView& row_id_map, const TensorView& probs,
                               TensorView& out, cudaStream_t stream);
 
-// int32 elements of the unpermute backward's workspace for y with `rows` rows (a bitmap of rows).
+// int32 elements of the unpermute backward's workspace for y with `rows` rows (a write count a row).
 MMFUSE_API int64_t moe_unpermute_backward_workspace_size(int64_t rows);
 
 // Backward of unpermute: dy [N, H] (dy[row(t,k)] = probs[t,k] * dout[t], rounded once; rows no kept

@@ -19,8 +19,9 @@
 // Unpermute and its backward at K <= 2 run a warp a token (rows in flight in registers); with 3 to
 // 8 rows a token unpermute takes a token-tile path on sm_90+ (TMA bulk copies of whole rows into
 // staged shared memory; see below), as does the backward for tokens of up to 48 KB.
-// The backward also marks each row it writes in a bitmap (caller workspace, cleared first); a last
-// small launch zeroes the rows no entry maps to.
+// The backward also counts the writes of each row (caller workspace, cleared first) with atomic
+// reductions, whose old values nobody waits for; a last small launch zeroes the rows no entry maps
+// to and stops at a row two entries map to.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -576,13 +577,13 @@ __device__ __noinline__ void duplicate_row(int32_t r) {
 
 // Backward of unpermute. Block: x threads over a row's vectors, y over tokens (blockDim.y tokens at
 // a time). dy[row(t,k)] = w * dout[t]; dprobs[t,k] = dot(dout[t], y[row(t,k)]): per-thread sums,
-// then warp sums, then the warps of the token in order (deterministic). Every row written is marked
-// in the bitmap `covered` (two entries on one row: an error), for the zeroing of the others.
+// then warp sums, then the warps of the token in order (deterministic). Every row written is counted
+// in `writes` (one count a row), for the zeroing of the others and the check of duplicates after.
 template <class S, int VEC, int KG>
 __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
     const S* __restrict__ dout, int64_t gs, const S* __restrict__ y, int64_t ys, S* __restrict__ dy, int64_t dys,
     int64_t N, MapRef map, const float* __restrict__ probs, int64_t ps0, int64_t ps1, float* __restrict__ dprobs,
-    int64_t dps0, int64_t dps1, uint32_t* __restrict__ covered, int64_t T, int64_t K, uint32_t V) {
+    int64_t dps0, int64_t dps1, uint32_t* __restrict__ writes, int64_t T, int64_t K, uint32_t V) {
   using C = typename dcompute<S>::type;
   using W = Vec<S, VEC>;
   constexpr int kMaxWarps = 8;
@@ -590,7 +591,6 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
   const int lane = threadIdx.x & 31, wx = threadIdx.x >> 5, warps_x = blockDim.x >> 5;
   const int64_t step = int64_t(gridDim.x) * blockDim.y;
   BadEntry bad;
-  int32_t dup = -1;  // a row this thread found marked already
   // Software-pipelined over the steps (token group, k-group): the next step's map entries are loaded
   // while this step's rows are in flight.
   auto rows_of = [&](int64_t t, int64_t k0, int32_t (&r)[KG]) {
@@ -613,15 +613,11 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
     rows_of(tbn + threadIdx.y, kn, rn);
     {
       C w[KG], dot[KG];
-      uint32_t old = 0, bit = 0;
       int32_t mine = -1;
 #pragma unroll
       for (int kk = 0; kk < KG; ++kk)
         if (threadIdx.x == kk) mine = r[kk];
-      if (mine >= 0) {
-        bit = 1u << (mine & 31);
-        old = atomicOr(&covered[mine >> 5], bit);
-      }
+      if (mine >= 0) atomicAdd(&writes[mine], 1u);  // no value returned: a reduction, not waited for
 #pragma unroll
       for (int kk = 0; kk < KG; ++kk) {
         w[kk] = probs && r[kk] >= 0 ? C(probs[t * ps0 + (k0 + kk) * ps1]) : C(1);
@@ -668,14 +664,12 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
         }
         __syncthreads();
       }
-      if (old & bit) dup = mine;
     }
     tb = tbn, k0 = kn;
 #pragma unroll
     for (int kk = 0; kk < KG; ++kk) r[kk] = rn[kk];
   }
   if (bad.t >= 0) bad_row("moe_unpermute_backward", map, bad.k, bad.t, N);
-  if (dup >= 0) duplicate_row(dup);
 }
 
 // ---- K <= 2: a warp a token ----
@@ -763,31 +757,36 @@ __global__ void __launch_bounds__(kRowThreads)
 // dot(dout[t], y[row(t,k)]), each lane CH vectors of dout and of each row at a time with all their
 // loads issued before any store, the next token's map entries loaded with this token's rows. Lane l
 // sums its columns l, l + 32, ... in order and the warp adds the lanes' sums by a butterfly: the
-// operations of the token-tile kernel, bitwise equal. Rows written are marked in `covered`.
+// operations of the token-tile kernel, bitwise equal. Rows written are counted in `writes`; on
+// sm_90+ the kernel is a programmatic dependent launch of the kernel that zeroes them (moe_clear),
+// and waits for it only before its first count.
 template <class S, int VEC, int KG, int CH>
 __global__ void __launch_bounds__(kRowThreads) moe_unpermute_bwd_warp_kernel(
     const S* __restrict__ dout, int64_t gs, const S* __restrict__ y, int64_t ys, S* __restrict__ dy, int64_t dys,
     int64_t N, MapRef map, const float* __restrict__ probs, int64_t ps0, int64_t ps1, float* __restrict__ dprobs,
-    int64_t dps0, int64_t dps1, uint32_t* __restrict__ covered, int64_t T, int64_t K, uint32_t V) {
+    int64_t dps0, int64_t dps1, uint32_t* __restrict__ writes, int64_t T, int64_t K, uint32_t V) {
   using C = typename dcompute<S>::type;
   using W = Vec<S, VEC>;
   const int lane = threadIdx.x & 31;
   BadEntry bad;
-  int32_t dup = -1;  // a row this lane found marked already
+  bool cleared = false;  // the counts are zero (the primary grid has finished)
   warp_token_walk<KG>(map, K, N, T, bad, [&](int64_t t, const int32_t(&r)[KG]) {
     C w[KG], dot[KG];
-    int32_t rl = -1;  // lane kk: entry kk, marked as written
+    int32_t rl = -1;  // lane kk: entry kk, counted as written
 #pragma unroll
     for (int kk = 0; kk < KG; ++kk) {
       w[kk] = probs && r[kk] >= 0 ? C(probs[t * ps0 + kk * ps1]) : C(1);
       dot[kk] = C(0);
       if (lane == kk) rl = r[kk];
     }
-    uint32_t bit = 0, old = 0;
-    if (rl >= 0) {
-      bit = 1u << (rl & 31);
-      old = atomicOr(&covered[rl >> 5], bit);
+    if (!cleared) {
+      pdl_wait_primary();
+      cleared = true;
     }
+    // No value returned: a reduction, which the warp does not wait for. (An atomicOr into a bitmap,
+    // its old value checked for duplicates, held the warp a round trip a token: on the H200 two
+    // experts T16k H2048 ran at 75.1 % of copy against 81.7, T64k at 84.6 against 92.8.)
+    if (rl >= 0) atomicAdd(&writes[rl], 1u);
     const W* g = reinterpret_cast<const W*>(dout + t * gs);
     for (uint32_t c0 = lane; c0 < V; c0 += 32 * CH) {
       const int left = int(V - c0);  // vectors u * 32 < left of this lane's CH are in the row
@@ -821,7 +820,6 @@ __global__ void __launch_bounds__(kRowThreads) moe_unpermute_bwd_warp_kernel(
         }
       }
     }
-    if (old & bit) dup = rl;
     if (dprobs) {
       C mine = C(0);
 #pragma unroll
@@ -834,16 +832,13 @@ __global__ void __launch_bounds__(kRowThreads) moe_unpermute_bwd_warp_kernel(
     }
   });
   if (bad.t >= 0) bad_row("moe_unpermute_backward", map, bad.k, bad.t, N);
-  if (dup >= 0) duplicate_row(dup);
 }
 
-// Blocks of a warp-a-token kernel: enough for every token; at most those resident at once (each
-// warp then walks tokens, the next one's map entries in flight with this one's rows) unless `all`
-// (a warp a token, the blocks handed out by the hardware).
-unsigned row_blocks(const void* kernel, int64_t T, bool all = false) {
-  const int64_t need = (T + kRowWarps - 1) / kRowWarps;
-  return unsigned(
-      std::max<int64_t>(1, all ? need : std::min<int64_t>(need, cuda::resident_blocks(kernel, kRowThreads, 0))));
+// Blocks of a warp-a-token kernel: enough for every token, at most those resident at once (each warp
+// then walks tokens, the next one's map entries in flight with this one's rows).
+unsigned row_blocks(const void* kernel, int64_t T) {
+  return unsigned(std::max<int64_t>(
+      1, std::min<int64_t>((T + kRowWarps - 1) / kRowWarps, cuda::resident_blocks(kernel, kRowThreads, 0))));
 }
 
 // ---- token-tile paths (sm_90+): unpermute and its backward ----
@@ -878,7 +873,7 @@ struct TileArgs {
   int64_t ps0, ps1;
   float* dprobs;  // backward, nullptr when not wanted
   int64_t dps0, dps1;
-  uint32_t* covered;  // backward: the bitmap of the rows written
+  uint32_t* writes;  // backward: the writes of each row (counted)
   int64_t T, per_block;
   int K, row_bytes;
   int stage_bytes;  // a stage: [the g row] then, if stage_y, the token's K rows of y
@@ -1092,7 +1087,6 @@ __global__ void __launch_bounds__(kTileThreads) moe_unpermute_bwd_tile_kernel(co
   }
   if (warp >= a.seqs) return;
   const uint32_t V = uint32_t(RB / 16);
-  int32_t dup = -1;  // a row this lane found marked already
   for (int64_t m = warp; m < t_end - t_begin; m += a.seqs) {
     const int64_t t = t_begin + m;
     int st;
@@ -1104,12 +1098,8 @@ __global__ void __launch_bounds__(kTileThreads) moe_unpermute_bwd_tile_kernel(co
     C w[kTileMaxK], dot[kTileMaxK];
 #pragma unroll
     for (int kk = 0; kk < kTileMaxK; ++kk) r[kk] = s.meta[st].r[kk], w[kk] = C(s.meta[st].w[kk]), dot[kk] = C(0);
-    const int32_t rl = lane < kTileMaxK ? s.meta[st].r[lane] : -1;  // lane kk: entry kk, marked as written
-    uint32_t bit = 0, old = 0;
-    if (rl >= 0) {
-      bit = 1u << (rl & 31);
-      old = atomicOr(&a.covered[rl >> 5], bit);
-    }
+    const int32_t rl = lane < kTileMaxK ? s.meta[st].r[lane] : -1;  // lane kk: entry kk, counted as written
+    if (rl >= 0) atomicAdd(&a.writes[rl], 1u);
     for (uint32_t col = lane; col < V; col += 32) {
       const W g = reinterpret_cast<const W*>(stage)[col];
 #pragma unroll
@@ -1128,7 +1118,6 @@ __global__ void __launch_bounds__(kTileThreads) moe_unpermute_bwd_tile_kernel(co
       }
     }
     cuda::mbar_arrive(&s.empty[st]);  // every lane: an arrival releases the arriving thread's reads only
-    if (old & bit) dup = rl;
     if (a.dprobs) {
       C mine = C(0);
 #pragma unroll
@@ -1141,25 +1130,35 @@ __global__ void __launch_bounds__(kTileThreads) moe_unpermute_bwd_tile_kernel(co
       if (lane < a.K) a.dprobs[t * a.dps0 + lane * a.dps1] = rl >= 0 ? float(mine) : 0.0f;
     }
   }
-  if (dup >= 0) duplicate_row(dup);
 #else
   __trap();  // never launched: the host checks kernel_arch
 #endif
 }
 
-// Zeroes the rows of dy no entry mapped to: a block looks at 256 rows' bits, then clears those rows.
+// Zeroes the backward's row counts. Its dependent (the warp-a-token row kernel, a programmatic
+// dependent launch on sm_90+) may start at once: it waits for this grid before its first count.
+__global__ void __launch_bounds__(256) moe_clear_kernel(uint32_t* __restrict__ writes, int64_t n) {
+  pdl_launch_dependents();
+  for (int64_t i = int64_t(blockIdx.x) * 256 + threadIdx.x; i < n; i += int64_t(gridDim.x) * 256) writes[i] = 0;
+}
+
+// After the row kernel: zeroes the rows of dy no entry mapped to (a count of 0) and stops at a row
+// that two entries mapped to (a count above 1). A block looks at 256 rows' counts, then clears those
+// rows.
 template <int B>
-__global__ void __launch_bounds__(256) moe_zero_rows_kernel(const uint32_t* __restrict__ covered, char* __restrict__ dy,
+__global__ void __launch_bounds__(256) moe_zero_rows_kernel(const uint32_t* __restrict__ writes, char* __restrict__ dy,
                                                             int64_t dys, int64_t N, uint32_t V) {
   using U = typename Bytes<B>::type;
   __shared__ int32_t rows[256];
   __shared__ int n_rows;
-  pdl_wait_primary();  // a programmatic dependent launch: the row kernel's `covered` bits are all set
+  pdl_wait_primary();  // a programmatic dependent launch: the row kernel's counts are all in
   for (int64_t r0 = int64_t(blockIdx.x) * 256; r0 < N; r0 += int64_t(gridDim.x) * 256) {
     if (threadIdx.x == 0) n_rows = 0;
     __syncthreads();
     const int64_t r = r0 + threadIdx.x;
-    if (r < N && !((covered[r >> 5] >> (r & 31)) & 1u)) rows[atomicAdd(&n_rows, 1)] = int32_t(r);
+    const uint32_t n = r < N ? writes[r] : 1u;
+    if (n > 1u) duplicate_row(int32_t(r));
+    if (n == 0u) rows[atomicAdd(&n_rows, 1)] = int32_t(r);
     __syncthreads();
     for (int i = 0; i < n_rows; ++i) {
       U* row = reinterpret_cast<U*>(dy + int64_t(rows[i]) * dys);
@@ -1366,18 +1365,17 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                     // 77.3, T64k H1024 86.0 (4 a lane; 8: 77.6) vs 54.4; K = 2 (~18:53): top-2 of 8
                     // T16k H4096 92.0 vs 79.6, H2048 86.7 vs 73.5, H7168 93.6 vs 82.8, T32k H1024
                     // 83.2 vs 71.5, H4096 10 % dropped 88.9 vs 74.8.
-                    // A warp for every token (not only as many as are resident) at K = 1, and at K = 2
-                    // where a token is 4 steps of its lanes or more (V >= 512). Measured on an H100
-                    // (2026-12-06 ~06:15 UTC, % of copy, mean of two runs, resident warps / a warp a
-                    // token): two experts T16k H2048 86.4 / 88.0, H4096 87.6 / 92.7, T64k H2048 91.7 /
-                    // 94.9, T32k H1024 84.8 / 91.3; top-2 of 8 T16k H4096 91.8 / 94.1, T32k H4096
-                    // 94.0 / 96.8, T16k H7168 93.4 / 96.0; but at V = 256, top-2 of 8 T16k H2048 91.5
-                    // / 89.7, T32k H2048 95.7 / 93.8, top-2 of 64 T32k H2048 94.3 / 92.9.
-                    const bool all = K <= 1 || V >= 512;
+                    // Only the resident warps, each walking tokens. A warp for every token won on an
+                    // H100 at K = 1 and at K = 2 with V >= 512 (2026-12-06 ~06:15 UTC, % of copy,
+                    // resident / a warp a token: two experts T16k H2048 86.4 / 88.0, T32k H1024 84.8
+                    // / 91.3, top-2 of 8 T16k H4096 91.8 / 94.1), but on the H200 those cases then
+                    // read below the resident kernel's earlier figures while the cases it did not
+                    // touch held (~06:36 vs 03:07: two experts T16k H2048 77.8 vs 80.3, T64k 85.1 vs
+                    // 91.6, top-2 of 8 T16k H4096 88.6 vs 92.0). Not taken without an H200 A/B.
                     auto go = [&](auto kgc, auto chc) {
                       constexpr int KG = decltype(kgc)::value, CH = decltype(chc)::value;
                       auto kernel = &moe_unpermute_warp_kernel<D, VEC, KG, CH>;
-                      kernel<<<row_blocks(reinterpret_cast<const void*>(kernel), T, all), kRowThreads, 0, stream>>>(
+                      kernel<<<row_blocks(reinterpret_cast<const void*>(kernel), T), kRowThreads, 0, stream>>>(
                           static_cast<const D*>(y.data), y.stride[0], N, static_cast<D*>(out.data), out.stride[0],
                           map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V);
                     };
@@ -1426,8 +1424,14 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
                                  cudaStream_t stream) {
   const int64_t K = map.shape[0], T = map.shape[1], H = y.shape[1], N = y.shape[0];
   const int64_t es = int64_t(dtype_size(y.dtype));
-  uint32_t* covered = static_cast<uint32_t*>(ws.data);
-  MMFUSE_CUDA_CHECK(cudaMemsetAsync(covered, 0, size_t(moe_unpermute_backward_workspace_size(N)) * 4, stream));
+  // The writes of each row, counted by the row kernel without waiting for the old value (a
+  // reduction), checked after it by the zero-rows kernel.
+  uint32_t* writes = static_cast<uint32_t*>(ws.data);
+  {
+    const int64_t n = moe_unpermute_backward_workspace_size(N);
+    moe_clear_kernel<<<unsigned(std::min<int64_t>((n + 255) / 256, int64_t(1) << 16)), 256, 0, stream>>>(writes, n);
+    MMFUSE_CUDA_CHECK_LAUNCH("moe_clear_kernel");
+  }
   dispatch_rows(
       y.dtype, "moe_unpermute_backward: y", H,
       {{y.data, y.stride[0] * es}, {dout.data, dout.stride[0] * es}, {dy.data, dy.stride[0] * es}},
@@ -1437,20 +1441,20 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
         const uint32_t V = uint32_t(H / VEC);
         const float* p = static_cast<const float*>(probs.data);
         float* dp = static_cast<float*>(dprobs.data);
-        auto zero_uncovered = [&] {  // the rows of dy no entry maps to
-          if (N == 0 || H == 0) return;
+        auto zero_unwritten = [&] {  // the rows of dy no entry maps to; rows two entries map to: an error
+          if (N == 0) return;
           constexpr int B = VEC * int(sizeof(D));
           const unsigned grid = unsigned(std::min<int64_t>((N + 255) / 256, int64_t(1) << 20));
           // a programmatic dependent launch on sm_90+: its launch overlaps the row kernel's last
           // blocks. Measured on an H100 (2026-12-06 ~04:37 UTC, % of copy, stream order vs PDL):
           // two experts T16k H2048 83.7 vs 85.4, H4096 90.7 vs 91.9; top-2 of 8 T16k H4096 92.4 vs
           // 93.3; top-2 of 64 T32k H2048 91.6 vs 92.5; top-8 of 64 T64k H2048 93.7 vs 93.7. (Two
-          // experts T16k H2048: the row kernel 72.6 us, this kernel 1.7, the memset of `covered`
-          // 1.2; the whole op 79.3, event-timed.)
+          // experts T16k H2048: the row kernel 72.6 us, this kernel 1.7, the memset of the bitmap it
+          // read then 1.2; the whole op 79.3, event-timed.)
           auto kernel = &moe_zero_rows_kernel<B>;
           const bool pdl = cuda::kernel_arch(reinterpret_cast<const void*>(kernel)) >= 90;
           const DependentLaunch launch(dim3(grid), dim3(256), 0, stream, pdl);
-          MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, static_cast<const uint32_t*>(covered),
+          MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, static_cast<const uint32_t*>(writes),
                                                static_cast<char*>(dy.data), dy.stride[0] * es, N, V));
           MMFUSE_CUDA_CHECK_LAUNCH("moe_zero_rows_kernel");
         };
@@ -1466,20 +1470,29 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
           // Resident warps walking tokens, not a warp a token as unpermute has: a warp a token lost on
           // an H100 (2026-12-06 ~06:11 UTC, % of copy, mean of two runs): two experts T16k H2048 85.6
           // vs 82.6, T64k H2048 94.6 vs 90.2, top-2 of 8 T32k H2048 93.8 vs 91.6.
+          // A programmatic dependent launch of moe_clear_kernel on sm_90+. Measured on the H200
+          // (2026-12-06 ~06:37 UTC, % of copy, mean of two runs; counts as reductions, stream order /
+          // PDL): two experts T16k H2048 81.7 / 81.7, T64k H2048 92.8 / 93.1, T16k H4096 89.3 /
+          // 89.5, T32k H1024 77.7 / 78.8; top-2 of 8 T16k H2048 79.9 / 80.4.
           auto go = [&](auto kgc, auto chc) {
             constexpr int KG = decltype(kgc)::value, CH = decltype(chc)::value;
             auto kernel = &moe_unpermute_bwd_warp_kernel<D, VEC, KG, CH>;
-            kernel<<<row_blocks(reinterpret_cast<const void*>(kernel), T), kRowThreads, 0, stream>>>(
-                static_cast<const D*>(dout.data), dout.stride[0], static_cast<const D*>(y.data), y.stride[0],
-                static_cast<D*>(dy.data), dy.stride[0], N, map_ref(map), p, p ? probs.stride[0] : 0,
-                p ? probs.stride[1] : 0, dp, dp ? dprobs.stride[0] : 0, dp ? dprobs.stride[1] : 0, covered, T, K, V);
+            const bool pdl = cuda::kernel_arch(reinterpret_cast<const void*>(kernel)) >= 90;
+            const DependentLaunch launch(dim3(row_blocks(reinterpret_cast<const void*>(kernel), T)), dim3(kRowThreads),
+                                         0, stream, pdl);
+            const int64_t ps0 = p ? probs.stride[0] : 0, ps1 = p ? probs.stride[1] : 0;
+            const int64_t dps0 = dp ? dprobs.stride[0] : 0, dps1 = dp ? dprobs.stride[1] : 0;
+            MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, static_cast<const D*>(dout.data), dout.stride[0],
+                                                 static_cast<const D*>(y.data), y.stride[0], static_cast<D*>(dy.data),
+                                                 dy.stride[0], N, map_ref(map), p, ps0, ps1, dp, dps0, dps1, writes, T,
+                                                 K, V));
             MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_bwd_warp_kernel");
           };
           if (K == 1)
             go(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});
           else
             go(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
-          zero_uncovered();
+          zero_unwritten();
           return;
         }
         bool tiled = false;
@@ -1490,7 +1503,7 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
           ta.dprobs = dp;
           ta.dps0 = dp ? dprobs.stride[0] : 0;
           ta.dps1 = dp ? dprobs.stride[1] : 0;
-          ta.covered = covered;
+          ta.writes = writes;
           ta.stage_y = dp != nullptr;
           ta.stage_bytes = (1 + (dp ? ta.K : 0)) * ta.row_bytes;
           // Tokens of up to 48 KB (four stages in the budget, a warp each). Measured on the H200
@@ -1513,7 +1526,7 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
             moe_unpermute_bwd_kernel<D, VEC, KG><<<grid, block, 0, stream>>>(
                 static_cast<const D*>(dout.data), dout.stride[0], static_cast<const D*>(y.data), y.stride[0],
                 static_cast<D*>(dy.data), dy.stride[0], N, map_ref(map), p, p ? probs.stride[0] : 0,
-                p ? probs.stride[1] : 0, dp, dp ? dprobs.stride[0] : 0, dp ? dprobs.stride[1] : 0, covered, T, K, V);
+                p ? probs.stride[1] : 0, dp, dp ? dprobs.stride[0] : 0, dp ? dprobs.stride[1] : 0, writes, T, K, V);
           };
           if (K == 1)
             launch(std::integral_constant<int, 1>{});
@@ -1521,7 +1534,7 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
             launch(std::integral_constant<int, 2>{});
           MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_bwd_kernel");
         }
-        zero_uncovered();
+        zero_unwritten();
       });
 }
 
