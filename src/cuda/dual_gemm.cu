@@ -130,8 +130,10 @@ bool sm90_can_take(const Sm90Expert (&ex)[2], int device) {
 // cuBLASLt path on 9 shape pairs x fwd / dX / dW (H200 2026-12-04 21:10); since the TMA epilogue and
 // the held epilogue half, on the benchmark's 12 GEMMs in three H100 runs (2026-12-05 21:28,
 // 2026-12-06 02:16 and 04:36, the last two from paired samples), 1.00-1.02x on 2 to 4 of them (only
-// the VLA down dW in all three) and 0.86-0.98x elsewhere. No shape rule separates those wins from
-// the losses: auto stays cuBLASLt everywhere.
+// the VLA down dW in all three) and 0.86-0.98x elsewhere. On the H200 (2026-12-06 06:37, one run)
+// it won the tiny-small and VLA down dW (0.963 and 0.976 of the cuBLASLt time) and lost the other
+// ten GEMMs by 1.2-7.9 %. No shape rule separates those wins from the losses yet: auto
+// stays cuBLASLt everywhere.
 enum class Path { kLibrary, kPersistent };
 Path choose_path(const Sm90Expert (&ex)[2], int device) {
   const int forced = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_PATH", {"auto", "cublaslt", "persistent"});
