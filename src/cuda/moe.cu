@@ -1449,8 +1449,8 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
           // blocks. Measured on an H100 (2026-12-06 ~04:37 UTC, % of copy, stream order vs PDL):
           // two experts T16k H2048 83.7 vs 85.4, H4096 90.7 vs 91.9; top-2 of 8 T16k H4096 92.4 vs
           // 93.3; top-2 of 64 T32k H2048 91.6 vs 92.5; top-8 of 64 T64k H2048 93.7 vs 93.7. (Two
-          // experts T16k H2048: the row kernel 72.6 us, this kernel 1.7, the memset of the bitmap it
-          // read then 1.2; the whole op 79.3, event-timed.)
+          // experts T16k H2048: the row kernel 72.6 us, this kernel 1.7, the memset that cleared
+          // its bitmap then 1.2; the whole op 79.3, event-timed.)
           auto kernel = &moe_zero_rows_kernel<B>;
           const bool pdl = cuda::kernel_arch(reinterpret_cast<const void*>(kernel)) >= 90;
           const DependentLaunch launch(dim3(grid), dim3(256), 0, stream, pdl);
@@ -1467,9 +1467,11 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
           // vs 81.0; at K = 2 (2 / 4 a lane vs tile): top-2 of 8 T16k H4096 91.5 / 79.6 vs 85.8, T32k
           // H2048 92.1 / 79.2 vs 85.5, top-2 of 64 T32k H2048 90.5 / 78.4 vs 85.9 (4 a lane at K = 2:
           // 154 registers; 8: spills).
-          // Resident warps walking tokens, not a warp a token as unpermute has: a warp a token lost on
-          // an H100 (2026-12-06 ~06:11 UTC, % of copy, mean of two runs): two experts T16k H2048 85.6
-          // vs 82.6, T64k H2048 94.6 vs 90.2, top-2 of 8 T32k H2048 93.8 vs 91.6.
+          // Resident warps walking tokens: a warp a token (a block for every 8 tokens) lost on an
+          // H100 (2026-12-06 ~06:11 UTC, % of copy, mean of two runs): two experts T16k H2048 85.6
+          // vs 82.6, T64k H2048 94.6 vs 90.2, top-2 of 8 T32k H2048 93.8 vs 91.6; and on the H200
+          // with the counts as reductions (~06:37): two experts T16k H2048 81.7 vs 77.2, T64k 92.8
+          // vs 86.5.
           // A programmatic dependent launch of moe_clear_kernel on sm_90+. Measured on the H200
           // (2026-12-06 ~06:37 UTC, % of copy, mean of two runs; counts as reductions, stream order /
           // PDL): two experts T16k H2048 81.7 / 81.7, T64k H2048 92.8 / 93.1, T16k H4096 89.3 /
