@@ -167,15 +167,21 @@ _DEVICE_ERRORS = [
     ("torch.ops.mmfuse.moe_unpermute_backward(torch.randn(2, 8).cuda(), torch.randn(4, 8).cuda(), "
      "torch.tensor([[0, 1], [2, 1]], dtype=torch.int32).cuda(), None)", "row 1 is the destination of two entries"),
 ]
+# K = 3, a row written twice, on each path of the backward (MMFUSE_MOE_BWD): the rows' write counts
+# are checked by one kernel after any of them
+_DUPLICATE_K3 = ("torch.ops.mmfuse.moe_unpermute_backward(torch.randn(2, 8).cuda(), torch.randn(6, 8).cuda(), "
+                 "torch.tensor([[0, 1], [2, 3], [4, 1]], dtype=torch.int32).cuda(), torch.rand(2, 3).cuda())")
 
 
 @needs_gpu
-@pytest.mark.parametrize("call,message", _DEVICE_ERRORS)
-def test_cuda_bad_input_stops_with_a_message(call, message):
+@pytest.mark.parametrize("call,message,bwd", [(c, m, "auto") for c, m in _DEVICE_ERRORS] +
+                         [(_DUPLICATE_K3, "row 1 is the destination of two entries", p)
+                          for p in ("auto", "tile", "general")])
+def test_cuda_bad_input_stops_with_a_message(call, message, bwd):
     # a device-side assertion ends the CUDA context: run it in a child process
     code = f"import torch, mmfuse\nout = {call}\ntorch.cuda.synchronize()\n"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), MMFUSE_MOE_BWD=bwd))
     assert r.returncode != 0
     assert message in r.stdout + r.stderr, r.stdout + r.stderr
 
