@@ -21,9 +21,10 @@
 // take the operands); MMFUSE_DUAL_GEMM_SCHEDULE = tiles | stream-k forces the persistent kernel's
 // schedule (whole output tiles a cluster; or the last units' k-blocks shared out across clusters,
 // through fp32 partials in the workspace, summed in a fixed order).
-// Today the heuristic picks cuBLASLt everywhere: the persistent kernel is correct, but at best 1-2 %
-// faster (the VLA down dW in three H100 runs, the tiny-small forward in two; no shape rule separates
-// them) and slower elsewhere (docs/benchmarks.md, 2026-12-05 21:28, 2026-12-06 02:16 and 04:36).
+// Today the heuristic picks cuBLASLt everywhere: the persistent kernel is correct, but at best 1-4 %
+// faster (the VLA down dW in three H100 runs and one H200 run, the tiny-small forward or dW in some;
+// no shape rule separates them) and slower elsewhere (docs/benchmarks.md, 2026-12-05 21:28,
+// 2026-12-06 02:16, 04:36 and 06:37).
 #pragma once
 
 #include "mmfuse/common.h"

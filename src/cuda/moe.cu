@@ -408,7 +408,7 @@ int resident_blocks(const void* kernel, size_t smem) { return cuda::resident_blo
 constexpr int kFlatThreads = 256, kPermUnroll = 4;
 
 // Blocks for a flattened kernel over `work` items, `per_thread` each: enough to fill the GPU, then loop
-// (`all`: a block for every item, up to 2^30 blocks, so that the hardware hands out the work).
+// (`all`: enough for every item, up to 2^30 blocks, so that the hardware hands out the work).
 unsigned flat_blocks(int64_t work, int per_thread, bool all = false) {
   const int64_t per_block = int64_t(kFlatThreads) * per_thread;
   const int64_t cap = all ? int64_t(1) << 30 : int64_t(sm_count()) * 16;
@@ -758,7 +758,7 @@ __global__ void __launch_bounds__(kRowThreads)
 // loads issued before any store, the next token's map entries loaded with this token's rows. Lane l
 // sums its columns l, l + 32, ... in order and the warp adds the lanes' sums by a butterfly: the
 // operations of the token-tile kernel, bitwise equal. Rows written are counted in `writes`; on
-// sm_90+ the kernel is a programmatic dependent launch of the kernel that zeroes them (moe_clear),
+// sm_90+ the kernel is a programmatic dependent launch of the kernel that zeroes them (moe_clear_kernel),
 // and waits for it only before its first count.
 template <class S, int VEC, int KG, int CH>
 __global__ void __launch_bounds__(kRowThreads) moe_unpermute_bwd_warp_kernel(

@@ -153,10 +153,10 @@ def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat
                     "exact dy" if ok else "FAIL"))
     if device == "cuda":
         # The case's own buffers copied (dout into x, y into the permuted rows), next to the ops that
-        # read them. On an H100 the two-expert case, which follows the T64k top-8 case and its several
-        # GiB of baseline temporaries, has run its ops ~10 points below the sweep; in one experiment,
-        # buffers from fresh segments after that case's memory was released (empty_cache) were ~13
-        # points slow even for a copy (2026-12-06).
+        # read them. The two-expert case, which follows the T64k top-8 case and its several GiB of
+        # baseline temporaries, has run its ops ~10 points below the sweep (on H100s, and on the H200
+        # at 2026-12-06 06:37); in one H100 experiment, buffers from fresh segments after that case's
+        # memory was released (empty_cache) were ~13 points slow even for a copy (2026-12-06).
         c_us, c_sp = time_us(lambda: (x.copy_(dout), p.rows.copy_(y)), device, **it)
         rows.append(Row(f"{name} copy of its own buffers", c_us, c_sp, 2 * (T + num_out) * H * x.element_size(),
                         verified="-"))
