@@ -753,13 +753,13 @@ __global__ void __launch_bounds__(kRowThreads)
   if (bad.t >= 0) bad_row("moe_unpermute", map, bad.k, bad.t, N);
 }
 
-// Backward of unpermute at K <= 2, a warp a token: dy[row(t,k)] = w * dout[t] and dprobs[t,k] =
-// dot(dout[t], y[row(t,k)]), each lane CH vectors of dout and of each row at a time with all their
-// loads issued before any store, the next token's map entries loaded with this token's rows. Lane l
-// sums its columns l, l + 32, ... in order and the warp adds the lanes' sums by a butterfly: the
-// operations of the token-tile kernel, bitwise equal. Rows written are counted in `writes`; on
-// sm_90+ the kernel is a programmatic dependent launch of the kernel that zeroes them (moe_clear_kernel),
-// and waits for it only before its first count.
+// Backward of unpermute a warp a token (K <= 2; K <= 8 with MMFUSE_MOE_BWD=warp): dy[row(t,k)] = w *
+// dout[t] and dprobs[t,k] = dot(dout[t], y[row(t,k)]), each lane CH vectors of dout and of each of
+// the KG rows at a time with all their loads issued before any store, the next token's map entries
+// loaded with this token's rows. Lane l sums its columns l, l + 32, ... in order and the warp adds
+// the lanes' sums by a butterfly: the operations of the token-tile kernel, bitwise equal. Rows
+// written are counted in `writes`; on sm_90+ the kernel is a programmatic dependent launch of the
+// kernel that zeroes them (moe_clear_kernel), and waits for it only before its first count.
 template <class S, int VEC, int KG, int CH>
 __global__ void __launch_bounds__(kRowThreads) moe_unpermute_bwd_warp_kernel(
     const S* __restrict__ dout, int64_t gs, const S* __restrict__ y, int64_t ys, S* __restrict__ dy, int64_t dys,
@@ -1346,6 +1346,14 @@ void dispatch_rows(DType dt, const char* what, int64_t H, std::initializer_list<
   });
 }
 
+// MMFUSE_MOE_UNPERMUTE, the grid of the warp-a-token unpermute (K <= 2), for tests and measurements:
+// auto (unset: resident), resident (the warps resident at once, each walking tokens) or token (a
+// warp for every token, a block for every kRowWarps tokens).
+enum class UnpermuteLaunch { kAuto, kResident, kToken };
+UnpermuteLaunch unpermute_launch() {
+  return UnpermuteLaunch(env_choice("moe_unpermute", "MMFUSE_MOE_UNPERMUTE", {"auto", "resident", "token"}));
+}
+
 void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const TensorView& probs, TensorView& out,
                         cudaStream_t stream) {
   const int64_t K = map.shape[0], T = map.shape[1], H = y.shape[1], N = y.shape[0];
@@ -1371,11 +1379,20 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                     // / 91.3, top-2 of 8 T16k H4096 91.8 / 94.1), but on the H200 those cases then
                     // read below the resident kernel's earlier figures while the cases it did not
                     // touch held (~06:36 vs 03:07: two experts T16k H2048 77.8 vs 80.3, T64k 85.1 vs
-                    // 91.6, top-2 of 8 T16k H4096 88.6 vs 92.0). Not taken without an H200 A/B.
+                    // 91.6, top-2 of 8 T16k H4096 88.6 vs 92.0; the first two of these may have run in
+                    // slow memory, see docs/benchmarks.md 07:39). Again on an H100 (~07:41, resident /
+                    // a warp a token): two experts T16k H2048 86.6 / 87.2, T64k 92.7 / 94.9, T16k H4096
+                    // 88.1 / 92.9, T32k H1024 85.2 / 91.0; top-2 of 8 T16k H4096 93.4 / 95.5, T16k
+                    // H2048 93.0 / 90.5, T32k H2048 96.7 / 94.8. MMFUSE_MOE_UNPERMUTE=token picks it,
+                    // for the H200 A/B still owed.
+                    const bool token = unpermute_launch() == UnpermuteLaunch::kToken;
                     auto go = [&](auto kgc, auto chc) {
                       constexpr int KG = decltype(kgc)::value, CH = decltype(chc)::value;
                       auto kernel = &moe_unpermute_warp_kernel<D, VEC, KG, CH>;
-                      kernel<<<row_blocks(reinterpret_cast<const void*>(kernel), T), kRowThreads, 0, stream>>>(
+                      const unsigned blocks =
+                          token ? unsigned(std::min<int64_t>((T + kRowWarps - 1) / kRowWarps, int64_t(1) << 30))
+                                : row_blocks(reinterpret_cast<const void*>(kernel), T);
+                      kernel<<<blocks, kRowThreads, 0, stream>>>(
                           static_cast<const D*>(y.data), y.stride[0], N, static_cast<D*>(out.data), out.stride[0],
                           map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V);
                     };
@@ -1413,10 +1430,11 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
 
 // MMFUSE_MOE_BWD, the backward's path, for tests and measurements: auto (unset: a warp a token at
 // K <= 2, else the token-tile kernel where it applies, else the general kernel), tile (the token-tile
-// kernel where it applies) or general (the block kernel).
-enum class BwdPath { kAuto, kTile, kGeneral };
+// kernel where it applies), general (the block kernel) or warp (a warp a token at K <= 8, else as
+// auto).
+enum class BwdPath { kAuto, kTile, kGeneral, kWarp };
 BwdPath bwd_path() {
-  return BwdPath(env_choice("moe_unpermute_backward", "MMFUSE_MOE_BWD", {"auto", "tile", "general"}));
+  return BwdPath(env_choice("moe_unpermute_backward", "MMFUSE_MOE_BWD", {"auto", "tile", "general", "warp"}));
 }
 
 void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, const TensorView& map,
@@ -1459,7 +1477,7 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
           MMFUSE_CUDA_CHECK_LAUNCH("moe_zero_rows_kernel");
         };
         const BwdPath path = bwd_path();
-        if (K >= 1 && K <= 2 && path == BwdPath::kAuto) {
+        if (K >= 1 && ((K <= 2 && path == BwdPath::kAuto) || (K <= 8 && path == BwdPath::kWarp))) {
           // A warp a token: 4 vectors of dout and of the row a lane at a time at K = 1, 2 of dout and of
           // each row at K = 2. Measured on an H100 (2026-12-05 ~17:43 UTC, % of copy; warp kernel with
           // 4 / 2 / 8 vectors a lane at K = 1 vs the token-tile kernel): two experts T16k H2048 83.8 /
@@ -1490,10 +1508,18 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
                                                  K, V));
             MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_bwd_warp_kernel");
           };
+          // K = 3..8 (MMFUSE_MOE_BWD=warp only): 4 or 8 rows a token, a vector of each a lane at a time.
+          // Measured on an H100 (2026-12-06 ~07:41 UTC, % of copy, against auto's tile or general
+          // kernel): top-4 of 16 T16k H4096 92.2 vs 86.2; but top-8 of 64 T64k H2048 81.2 vs 92.4,
+          // T8k H4096 10 % dropped 77.3 vs 89.0 (8 rows a lane: 143 registers, a block an SM).
           if (K == 1)
             go(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});
-          else
+          else if (K == 2)
             go(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
+          else if (K <= 4)
+            go(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
+          else
+            go(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{});
           zero_unwritten();
           return;
         }

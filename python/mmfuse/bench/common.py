@@ -72,7 +72,7 @@ def paired_ratio(fn_a: Callable[[], object], fn_b: Callable[[], object], device:
 @contextlib.contextmanager
 def env(name: str, value: Optional[str]):
     """Environment variable `name` set to `value` (None: unset) inside the block: the CUDA backends
-    read their path knobs (MMFUSE_DUAL_GEMM_PATH, _SCHEDULE, _EPILOGUE, MMFUSE_MOE_PLAN, MMFUSE_MOE_BWD)
+    read their path knobs (MMFUSE_DUAL_GEMM_PATH, _SCHEDULE, _EPILOGUE, MMFUSE_MOE_PLAN, _BWD, _UNPERMUTE)
     at every call."""
     old = os.environ.get(name)
     if value is None:

@@ -222,9 +222,10 @@ def _fanout_us(T, H, K, it):
 
 
 def sweep(quick: bool = True) -> None:
-    """Every launch of the plan (MMFUSE_MOE_PLAN: auto, cooperative, two) and every path of the backward
-    (MMFUSE_MOE_BWD: auto, tile, general) on the benchmark's cases and a few more, each output compared
-    bitwise with the default's, unpermute and the permute of the rows;
+    """Every launch of the plan (MMFUSE_MOE_PLAN: auto, cooperative, two), every path of the backward
+    (MMFUSE_MOE_BWD: auto, tile, general, warp) and both grids of the unpermute at K <= 2
+    (MMFUSE_MOE_UNPERMUTE: auto, token) on the benchmark's cases and a few more, each output compared
+    bitwise with the default's, and the permute of the rows;
     and a copy of the backward's own bytes, so that the fixed cost of a short launch shows next to the
     1 GiB copy ceiling that the percentages are of; and a streaming fan-out of the permute's rows (each
     read once, written K times contiguously), the ceiling of its traffic without the routing."""
@@ -275,7 +276,7 @@ def sweep(quick: bool = True) -> None:
         c_us = _copy_us(nbytes, it)
         ref = ops.moe_unpermute_backward(dout, y, row_map, probs)
         line = []
-        for mode in ("auto", "tile", "general"):
+        for mode in ("auto", "tile", "general", "warp"):
             with env("MMFUSE_MOE_BWD", mode):
                 us, _ = time_us(lambda: ops.moe_unpermute_backward(dout, y, row_map, probs), "cuda", **it)
                 got = ops.moe_unpermute_backward(dout, y, row_map, probs)
@@ -284,13 +285,18 @@ def sweep(quick: bool = True) -> None:
             line.append(f"{mode} {pct(nbytes, us):.1f}{tag}")
         print(f"sweep {name}: backward % of copy: " + ", ".join(line) +
               f" | a copy of the same {nbytes / 2 ** 20:.0f} MiB: {pct(nbytes, c_us):.1f}")
-        u_us, _ = time_us(lambda: mmfuse.moe_unpermute(y, row_map, probs), "cuda", **it)
+        line = []
+        ref = mmfuse.moe_unpermute(y, row_map, probs)
+        for mode in ("auto", "token"):
+            with env("MMFUSE_MOE_UNPERMUTE", mode):
+                u_us, _ = time_us(lambda: mmfuse.moe_unpermute(y, row_map, probs), "cuda", **it)
+                same = torch.equal(mmfuse.moe_unpermute(y, row_map, probs), ref)
+            line.append(f"{mode} {pct(nb['unpermute'], u_us):.1f}{'' if same else ' DIFFERS'}")
         p_us, _ = time_us(lambda: ops.moe_permute(dout, row_map, num_out), "cuda", **it)
         f_us, f_tag = _fanout_us(T, H, K, it)
         fan = f"{pct(T * H * 2 * (1 + K), f_us):.1f} ({f_tag})" if f_us else f_tag
-        print(f"sweep {name}: unpermute {pct(nb['unpermute'], u_us):.1f}, "
-              f"permute rows {pct(nb['permute'], p_us):.1f} % of copy | a fan-out of the same rows, "
-              f"read once and written {K}x contiguously: {fan}")
+        print(f"sweep {name}: unpermute " + ", ".join(line) + f"; permute rows {pct(nb['permute'], p_us):.1f} "
+              f"% of copy | a fan-out of the same rows, read once and written {K}x contiguously: {fan}")
 
 
 def run(device: str, quick: bool = False) -> dict:
