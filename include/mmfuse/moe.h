@@ -9,8 +9,9 @@
 //
 // CUDA paths, chosen per call (src/cuda/moe.cu says which and why); for tests and measurements the
 // environment forces one, read at every call: MMFUSE_MOE_PLAN=auto|cooperative|two (the plan's
-// launches) and MMFUSE_MOE_BWD=auto|tile|general (the unpermute backward's kernel). Any other value
-// is an error naming it. The plan's launches give the same bits, and so do the backward's kernels
+// launches), MMFUSE_MOE_BWD=auto|tile|general|warp|entry (the unpermute backward's kernel) and
+// MMFUSE_MOE_UNPERMUTE=auto|resident|token (the unpermute's grid at K <= 2). Any other value is an
+// error naming it. The plan's launches give the same bits, and so do the backward's kernels
 // for dy and, but for the general kernel (another fp32 summation order), for dprobs.
 #pragma once
 
@@ -56,7 +57,7 @@ MMFUSE_API void moe_unpermute_backward(const TensorView& dout, const TensorView&
                                        TensorView& workspace, cudaStream_t stream);
 
 namespace detail {
-// Entries of indices each block of the CUDA plan walks (a multiple of 1024); also sizes the workspace.
+// Entries of indices each block of the CUDA plan walks (a multiple of 512); also sizes the workspace.
 int64_t moe_plan_block_entries(int64_t tk, int64_t num_experts);
 
 void moe_plan_cpu(const TensorView& indices, int64_t E, int64_t num_out, TensorView& row_id_map, TensorView& counts,

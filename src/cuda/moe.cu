@@ -16,9 +16,10 @@
 // its K destination rows; unpermute reads the K rows of token t and writes out[t]; the backward reads
 // dout[t] once and writes K rows of dy. Rows move as 16-byte vectors when their size and alignment
 // allow (8, 4, 2, 1 otherwise); sums are fp32 (fp64 for fp64) in k order with explicit rounding.
-// Unpermute and its backward at K <= 2 run a warp a token (rows in flight in registers); with 3 to
-// 8 rows a token unpermute takes a token-tile path on sm_90+ (TMA bulk copies of whole rows into
-// staged shared memory; see below), as does the backward for tokens of up to 48 KB.
+// Unpermute at K <= 2 and its backward at K = 1 run a warp a token (rows in flight in registers),
+// the backward at K = 2 a warp an entry; with 3 to 8 rows a token unpermute takes a token-tile path
+// on sm_90+ (TMA bulk copies of whole rows into staged shared memory; see below), as does the
+// backward for tokens of up to 48 KB, and larger ones a warp an entry.
 // The backward also counts the writes of each row (caller workspace, cleared first) with atomic
 // reductions, whose old values nobody waits for; a last small launch zeroes the rows no entry maps
 // to and stops at a row two entries map to.
@@ -681,24 +682,23 @@ __global__ void __launch_bounds__(256) moe_unpermute_bwd_kernel(
 // (fp32 from zero in k order: bitwise equal to the token-tile kernel it replaced at K <= 2).
 constexpr int kRowThreads = 256, kRowWarps = kRowThreads / 32;
 
-// The tokens of this warp (warp w of the grid: w, w + warps, ...), body(t, r) for each with r its
-// KG rows of the map (-1: none or past K; bad entries recorded in `bad` and read as -1); the next
-// token's entries are loaded before body runs, so that they are in flight with this token's rows.
-template <int KG, class F>
-__device__ __forceinline__ void warp_token_walk(const MapRef& map, int64_t K, int64_t N, int64_t T, BadEntry& bad,
-                                                F&& body) {
+// The items of this warp (warp w of the grid: w, w + warps, ... < n), body(i, r) for each with r
+// its KG rows of the map as load(i, r) gives them (-1: none); the next item's rows are loaded before
+// body runs, so that they are in flight with this item's rows.
+template <int KG, class L, class F>
+__device__ __forceinline__ void warp_walk(int64_t n, L&& load, F&& body) {
   const int64_t step = int64_t(gridDim.x) * kRowWarps;
-  int64_t t = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  int64_t i = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   int32_t r[KG];
 #pragma unroll
   for (int kk = 0; kk < KG; ++kk) r[kk] = -1;
-  if (t < T) load_rows<KG>(map, 0, K, t, N, r, bad);
-  for (; t < T; t += step) {
+  if (i < n) load(i, r);
+  for (; i < n; i += step) {
     int32_t rn[KG];
 #pragma unroll
     for (int kk = 0; kk < KG; ++kk) rn[kk] = -1;
-    if (t + step < T) load_rows<KG>(map, 0, K, t + step, N, rn, bad);
-    body(t, static_cast<const int32_t(&)[KG]>(r));
+    if (i + step < n) load(i + step, rn);
+    body(i, static_cast<const int32_t(&)[KG]>(r));
 #pragma unroll
     for (int kk = 0; kk < KG; ++kk) r[kk] = rn[kk];
   }
@@ -713,7 +713,8 @@ __global__ void __launch_bounds__(kRowThreads)
   using W = Vec<S, VEC>;
   const int lane = threadIdx.x & 31;
   BadEntry bad;
-  warp_token_walk<KG>(map, K, N, T, bad, [&](int64_t t, const int32_t(&r)[KG]) {
+  auto rows = [&](int64_t t, int32_t(&r)[KG]) { load_rows<KG>(map, 0, K, t, N, r, bad); };
+  warp_walk<KG>(T, rows, [&](int64_t t, const int32_t(&r)[KG]) {
     C w[KG];
     const W* src[KG];
 #pragma unroll
@@ -753,29 +754,47 @@ __global__ void __launch_bounds__(kRowThreads)
   if (bad.t >= 0) bad_row("moe_unpermute", map, bad.k, bad.t, N);
 }
 
-// Backward of unpermute a warp a token (K <= 2; K <= 8 with MMFUSE_MOE_BWD=warp): dy[row(t,k)] = w *
-// dout[t] and dprobs[t,k] = dot(dout[t], y[row(t,k)]), each lane CH vectors of dout and of each of
-// the KG rows at a time with all their loads issued before any store, the next token's map entries
-// loaded with this token's rows. Lane l sums its columns l, l + 32, ... in order and the warp adds
-// the lanes' sums by a butterfly: the operations of the token-tile kernel, bitwise equal. Rows
-// written are counted in `writes`; on sm_90+ the kernel is a programmatic dependent launch of the
-// kernel that zeroes them (moe_clear_kernel), and waits for it only before its first count.
-template <class S, int VEC, int KG, int CH>
+// Backward of unpermute a warp a token (K <= 2; K <= 8 with MMFUSE_MOE_BWD=warp) or, kEntry, a warp
+// an entry (KG = 1; item i is entry k = i % K of token t = i / K, so that a block's warps share the
+// token's dout row in cache): dy[row(t,k)] = w * dout[t] and dprobs[t,k] = dot(dout[t], y[row(t,k)]),
+// each lane CH vectors of dout and of each of the KG rows at a time with all their loads issued
+// before any store, the next item's map entries loaded with this item's rows. Lane l sums its
+// columns l, l + 32, ... in order and the warp adds the lanes' sums by a butterfly: the operations of
+// the token-tile kernel, bitwise equal. Rows written are counted in `writes`; on sm_90+ the kernel
+// is a programmatic dependent launch of the kernel that zeroes them (moe_clear_kernel), and waits
+// for it only before its first count.
+template <class S, int VEC, int KG, int CH, bool kEntry>
 __global__ void __launch_bounds__(kRowThreads) moe_unpermute_bwd_warp_kernel(
     const S* __restrict__ dout, int64_t gs, const S* __restrict__ y, int64_t ys, S* __restrict__ dy, int64_t dys,
     int64_t N, MapRef map, const float* __restrict__ probs, int64_t ps0, int64_t ps1, float* __restrict__ dprobs,
-    int64_t dps0, int64_t dps1, uint32_t* __restrict__ writes, int64_t T, int64_t K, uint32_t V) {
+    int64_t dps0, int64_t dps1, uint32_t* __restrict__ writes, int64_t T, FastDiv K, uint32_t V) {
+  static_assert(!kEntry || KG == 1, "a warp an entry takes one row");
   using C = typename dcompute<S>::type;
   using W = Vec<S, VEC>;
   const int lane = threadIdx.x & 31;
   BadEntry bad;
   bool cleared = false;  // the counts are zero (the primary grid has finished)
-  warp_token_walk<KG>(map, K, N, T, bad, [&](int64_t t, const int32_t(&r)[KG]) {
+  auto at = [&](int64_t i, int64_t& t, int64_t& k0) {  // item i: token t, its entries from k0
+    if constexpr (kEntry) {
+      t = K.div(uint32_t(i));  // T * K < 2^31: checked by the host
+      k0 = i - t * K.d;
+    } else {
+      t = i, k0 = 0;
+    }
+  };
+  auto rows = [&](int64_t i, int32_t(&r)[KG]) {
+    int64_t t, k0;
+    at(i, t, k0);
+    load_rows<KG>(map, k0, K.d, t, N, r, bad);
+  };
+  warp_walk<KG>(kEntry ? T * K.d : T, rows, [&](int64_t i, const int32_t(&r)[KG]) {
+    int64_t t, k0;
+    at(i, t, k0);
     C w[KG], dot[KG];
-    int32_t rl = -1;  // lane kk: entry kk, counted as written
+    int32_t rl = -1;  // lane kk: entry k0 + kk, counted as written
 #pragma unroll
     for (int kk = 0; kk < KG; ++kk) {
-      w[kk] = probs && r[kk] >= 0 ? C(probs[t * ps0 + kk * ps1]) : C(1);
+      w[kk] = probs && r[kk] >= 0 ? C(probs[t * ps0 + (k0 + kk) * ps1]) : C(1);
       dot[kk] = C(0);
       if (lane == kk) rl = r[kk];
     }
@@ -828,17 +847,17 @@ __global__ void __launch_bounds__(kRowThreads) moe_unpermute_bwd_warp_kernel(
         for (int o = 16; o > 0; o >>= 1) dot[kk] = cuda::add_rn(dot[kk], __shfl_xor_sync(0xffffffffu, dot[kk], o));
         if (lane == kk) mine = dot[kk];
       }
-      if (lane < K) dprobs[t * dps0 + lane * dps1] = rl >= 0 ? float(mine) : 0.0f;
+      if (lane < KG && k0 + lane < K.d) dprobs[t * dps0 + (k0 + lane) * dps1] = rl >= 0 ? float(mine) : 0.0f;
     }
   });
   if (bad.t >= 0) bad_row("moe_unpermute_backward", map, bad.k, bad.t, N);
 }
 
-// Blocks of a warp-a-token kernel: enough for every token, at most those resident at once (each warp
-// then walks tokens, the next one's map entries in flight with this one's rows).
-unsigned row_blocks(const void* kernel, int64_t T) {
+// Blocks of a warp-walk kernel over n items: enough for every item, at most those resident at once
+// (each warp then walks items, the next one's map entries in flight with this one's rows).
+unsigned row_blocks(const void* kernel, int64_t n) {
   return unsigned(std::max<int64_t>(
-      1, std::min<int64_t>((T + kRowWarps - 1) / kRowWarps, cuda::resident_blocks(kernel, kRowThreads, 0))));
+      1, std::min<int64_t>((n + kRowWarps - 1) / kRowWarps, cuda::resident_blocks(kernel, kRowThreads, 0))));
 }
 
 // ---- token-tile paths (sm_90+): unpermute and its backward ----
@@ -1429,12 +1448,13 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
 }
 
 // MMFUSE_MOE_BWD, the backward's path, for tests and measurements: auto (unset: a warp a token at
-// K <= 2, else the token-tile kernel where it applies, else the general kernel), tile (the token-tile
-// kernel where it applies), general (the block kernel) or warp (a warp a token at K <= 8, else as
-// auto).
-enum class BwdPath { kAuto, kTile, kGeneral, kWarp };
+// K = 1, a warp an entry at K = 2; at K >= 3 the token-tile kernel where it applies, else a warp an
+// entry; the general kernel where T * K >= 2^31), tile (the token-tile kernel where it applies, else
+// the general kernel), general (the block kernel), warp (a warp a token at K <= 8, else as auto) or
+// entry (a warp an entry where T * K < 2^31, else as auto).
+enum class BwdPath { kAuto, kTile, kGeneral, kWarp, kEntry };
 BwdPath bwd_path() {
-  return BwdPath(env_choice("moe_unpermute_backward", "MMFUSE_MOE_BWD", {"auto", "tile", "general", "warp"}));
+  return BwdPath(env_choice("moe_unpermute_backward", "MMFUSE_MOE_BWD", {"auto", "tile", "general", "warp", "entry"}));
 }
 
 void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, const TensorView& map,
@@ -1476,53 +1496,69 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
                                                static_cast<char*>(dy.data), dy.stride[0] * es, N, V));
           MMFUSE_CUDA_CHECK_LAUNCH("moe_zero_rows_kernel");
         };
-        const BwdPath path = bwd_path();
-        if (K >= 1 && ((K <= 2 && path == BwdPath::kAuto) || (K <= 8 && path == BwdPath::kWarp))) {
-          // A warp a token: 4 vectors of dout and of the row a lane at a time at K = 1, 2 of dout and of
-          // each row at K = 2. Measured on an H100 (2026-12-05 ~17:43 UTC, % of copy; warp kernel with
-          // 4 / 2 / 8 vectors a lane at K = 1 vs the token-tile kernel): two experts T16k H2048 83.8 /
-          // 83.0 / 77.9 vs 73.6, T64k H2048 93.1 / 94.5 / 86.3 vs 83.5, T16k H4096 89.6 / 87.1 / 84.7
-          // vs 81.0; at K = 2 (2 / 4 a lane vs tile): top-2 of 8 T16k H4096 91.5 / 79.6 vs 85.8, T32k
-          // H2048 92.1 / 79.2 vs 85.5, top-2 of 64 T32k H2048 90.5 / 78.4 vs 85.9 (4 a lane at K = 2:
-          // 154 registers; 8: spills).
-          // Resident warps walking tokens: a warp a token (a block for every 8 tokens) lost on an
-          // H100 (2026-12-06 ~06:11 UTC, % of copy, mean of two runs): two experts T16k H2048 85.6
-          // vs 82.6, T64k H2048 94.6 vs 90.2, top-2 of 8 T32k H2048 93.8 vs 91.6; and on the H200
-          // with the counts as reductions (~06:37): two experts T16k H2048 81.7 vs 77.2, T64k 92.8
-          // vs 86.5.
-          // A programmatic dependent launch of moe_clear_kernel on sm_90+. Measured on the H200
-          // (2026-12-06 ~06:37 UTC, % of copy, mean of two runs; counts as reductions, stream order /
-          // PDL): two experts T16k H2048 81.7 / 81.7, T64k H2048 92.8 / 93.1, T16k H4096 89.3 /
-          // 89.5, T32k H1024 77.7 / 78.8; top-2 of 8 T16k H2048 79.9 / 80.4.
-          auto go = [&](auto kgc, auto chc) {
+        // The warp-walk kernels (rows in flight in registers, no shared memory): a warp a token with
+        // all its rows, or (`entry`) a warp an entry.
+        // A warp a token: 4 vectors of dout and of the row a lane at a time at K = 1, 2 of dout and of
+        // each row at K = 2. Measured on an H100 (2026-12-05 ~17:43 UTC, % of copy; warp kernel with
+        // 4 / 2 / 8 vectors a lane at K = 1 vs the token-tile kernel): two experts T16k H2048 83.8 /
+        // 83.0 / 77.9 vs 73.6, T64k H2048 93.1 / 94.5 / 86.3 vs 83.5, T16k H4096 89.6 / 87.1 / 84.7
+        // vs 81.0; at K = 2 (2 / 4 a lane vs tile): top-2 of 8 T16k H4096 91.5 / 79.6 vs 85.8, T32k
+        // H2048 92.1 / 79.2 vs 85.5, top-2 of 64 T32k H2048 90.5 / 78.4 vs 85.9 (4 a lane at K = 2:
+        // 154 registers; 8: spills).
+        // Resident warps walking tokens: a warp a token (a block for every 8 tokens) lost on an
+        // H100 (2026-12-06 ~06:11 UTC, % of copy, mean of two runs): two experts T16k H2048 85.6
+        // vs 82.6, T64k H2048 94.6 vs 90.2, top-2 of 8 T32k H2048 93.8 vs 91.6; and on the H200
+        // with the counts as reductions (~06:37): two experts T16k H2048 81.7 vs 77.2, T64k 92.8
+        // vs 86.5.
+        // A programmatic dependent launch of moe_clear_kernel on sm_90+. Measured on the H200
+        // (2026-12-06 ~06:37 UTC, % of copy, mean of two runs; counts as reductions, stream order /
+        // PDL): two experts T16k H2048 81.7 / 81.7, T64k H2048 92.8 / 93.1, T16k H4096 89.3 /
+        // 89.5, T32k H1024 77.7 / 78.8; top-2 of 8 T16k H2048 79.9 / 80.4.
+        auto by_warps = [&](bool entry) {
+          auto go = [&](auto kgc, auto chc, auto ec) {
             constexpr int KG = decltype(kgc)::value, CH = decltype(chc)::value;
-            auto kernel = &moe_unpermute_bwd_warp_kernel<D, VEC, KG, CH>;
+            constexpr bool kEntry = decltype(ec)::value;
+            auto kernel = &moe_unpermute_bwd_warp_kernel<D, VEC, KG, CH, kEntry>;
             const bool pdl = cuda::kernel_arch(reinterpret_cast<const void*>(kernel)) >= 90;
-            const DependentLaunch launch(dim3(row_blocks(reinterpret_cast<const void*>(kernel), T)), dim3(kRowThreads),
-                                         0, stream, pdl);
+            const DependentLaunch launch(dim3(row_blocks(reinterpret_cast<const void*>(kernel), kEntry ? T * K : T)),
+                                         dim3(kRowThreads), 0, stream, pdl);
             const int64_t ps0 = p ? probs.stride[0] : 0, ps1 = p ? probs.stride[1] : 0;
             const int64_t dps0 = dp ? dprobs.stride[0] : 0, dps1 = dp ? dprobs.stride[1] : 0;
             MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, static_cast<const D*>(dout.data), dout.stride[0],
                                                  static_cast<const D*>(y.data), y.stride[0], static_cast<D*>(dy.data),
                                                  dy.stride[0], N, map_ref(map), p, ps0, ps1, dp, dps0, dps1, writes, T,
-                                                 K, V));
+                                                 FastDiv(uint32_t(K)), V));
             MMFUSE_CUDA_CHECK_LAUNCH("moe_unpermute_bwd_warp_kernel");
           };
-          // K = 3..8 (MMFUSE_MOE_BWD=warp only): 4 or 8 rows a token, a vector of each a lane at a time.
-          // Measured on an H100 (2026-12-06 ~07:41 UTC, % of copy, against auto's tile or general
-          // kernel): top-4 of 16 T16k H4096 92.2 vs 86.2; but top-8 of 64 T64k H2048 81.2 vs 92.4,
-          // T8k H4096 10 % dropped 77.3 vs 89.0 (8 rows a lane: 143 registers, a block an SM).
-          if (K == 1)
-            go(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});
+          using I = std::integral_constant<int, 1>;
+          if (entry)
+            go(I{}, std::integral_constant<int, 4>{}, std::true_type{});
+          else if (K == 1)
+            go(I{}, std::integral_constant<int, 4>{}, std::false_type{});
           else if (K == 2)
-            go(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
+            go(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{}, std::false_type{});
           else if (K <= 4)
-            go(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
+            go(std::integral_constant<int, 4>{}, I{}, std::false_type{});
           else
-            go(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{});
+            go(std::integral_constant<int, 8>{}, I{}, std::false_type{});
           zero_unwritten();
-          return;
-        }
+        };
+        // K = 3..8 with MMFUSE_MOE_BWD=warp: 4 or 8 rows a token, a vector of each a lane at a time.
+        // Measured on an H100 (2026-12-06 ~07:41 UTC, % of copy, against auto's tile or general
+        // kernel): top-4 of 16 T16k H4096 92.2 vs 86.2; but top-8 of 64 T64k H2048 81.2 vs 92.4, T8k
+        // H4096 10 % dropped 77.3 vs 89.0 (8 rows a lane: 143 registers, a block an SM).
+        // A warp an entry (4 vectors of dout and of the row a lane at a time) at K = 2, and at K >= 3
+        // where the tile kernel does not apply. Measured on an H100 (2026-12-06 ~08:40 UTC, % of copy,
+        // entry vs the warp a token at K = 2, vs the tile kernel or the general kernel at K = 8):
+        // top-2 of 8 T16k H4096 94.6 vs 93.3, T32k H2048 95.0 vs 93.6; top-2 of 64 T32k H2048 93.2
+        // vs 92.3; top-8 of 64 T8k H4096 10 % dropped 91.6 vs 88.5 (general; the tile kernel does
+        // not take its 72 KB tokens); top-8 of 64 T64k H2048 91.8 vs 92.2 (tile). At K = 1 it is the
+        // warp a token's kernel (88.5 / 95.3 / 90.8 vs 88.8 / 95.5 / 91.4 for two experts).
+        const BwdPath path = bwd_path();
+        const bool entry_ok = K >= 1 && T * K < (int64_t(1) << 31);
+        if (entry_ok && (path == BwdPath::kEntry || (path == BwdPath::kAuto && K == 2))) return by_warps(true);
+        if (K >= 1 && ((K == 1 && path == BwdPath::kAuto) || (K <= 8 && path == BwdPath::kWarp)))
+          return by_warps(false);
         bool tiled = false;
         if constexpr (kTileType<D, VEC>) {
           TileArgs ta = tile_args(y, map, probs, dy);
@@ -1543,6 +1579,7 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
             tiled = tile_launch(reinterpret_cast<const void*>(&moe_unpermute_bwd_tile_kernel<D>),
                                 "moe_unpermute_bwd_tile_kernel", kTileConsumers, ta, stream);
         }
+        if (!tiled && entry_ok && path == BwdPath::kAuto) return by_warps(true);
         if (T > 0 && K > 0 && !tiled) {
           // blocks of 256 threads: x over a row's vectors (32..256), y over tokens; a 1-D grid over tokens
           uint32_t bx = 32;

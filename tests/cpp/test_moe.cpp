@@ -297,9 +297,10 @@ void rows_equal_cpu(std::mt19937_64& rng, int64_t T, int64_t K, int64_t E, int64
 
 class MoeCudaRows : public ::testing::TestWithParam<const char*> {};
 
-// Every path of the backward (MMFUSE_MOE_BWD): auto (a warp a token at K <= 2), the token-tile kernel,
-// the general block kernel, a warp a token at K <= 8.
-INSTANTIATE_TEST_SUITE_P(BackwardPaths, MoeCudaRows, ::testing::Values("auto", "tile", "general", "warp"));
+// Every path of the backward (MMFUSE_MOE_BWD): auto (a warp a token at K = 1, a warp an entry at K = 2
+// and where the tile kernel does not apply), the token-tile kernel, the general block kernel, a warp a
+// token at K <= 8, a warp an entry.
+INSTANTIATE_TEST_SUITE_P(BackwardPaths, MoeCudaRows, ::testing::Values("auto", "tile", "general", "warp", "entry"));
 
 TEST_P(MoeCudaRows, RowsEqualCpu) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";

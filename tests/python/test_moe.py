@@ -176,7 +176,7 @@ _DUPLICATE_K3 = ("torch.ops.mmfuse.moe_unpermute_backward(torch.randn(2, 8).cuda
 @needs_gpu
 @pytest.mark.parametrize("call,message,bwd", [(c, m, "auto") for c, m in _DEVICE_ERRORS] +
                          [(_DUPLICATE_K3, "row 1 is the destination of two entries", p)
-                          for p in ("auto", "tile", "general", "warp")])
+                          for p in ("auto", "tile", "general", "warp", "entry")])
 def test_cuda_bad_input_stops_with_a_message(call, message, bwd):
     # a device-side assertion ends the CUDA context: run it in a child process
     code = f"import torch, mmfuse\nout = {call}\ntorch.cuda.synchronize()\n"
@@ -189,9 +189,10 @@ def test_cuda_bad_input_stops_with_a_message(call, message, bwd):
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("K,E", [(1, 2), (2, 8), (4, 16)])
-# the backward's paths (MMFUSE_MOE_BWD: auto, a warp a token at K <= 2; tile; warp, a warp a token at
-# every K here) with the unpermute's launches (MMFUSE_MOE_UNPERMUTE: resident warps; a warp a token)
-@pytest.mark.parametrize("bwd,unp", [("auto", "auto"), ("tile", "token"), ("warp", "auto")])
+# the backward's paths (MMFUSE_MOE_BWD: auto, a warp a token at K = 1, a warp an entry at K = 2; tile;
+# warp, a warp a token at every K here; entry, a warp an entry) with the unpermute's launches (MMFUSE_MOE_UNPERMUTE: resident
+# warps; a warp a token)
+@pytest.mark.parametrize("bwd,unp", [("auto", "auto"), ("tile", "token"), ("warp", "auto"), ("entry", "auto")])
 def test_cuda_equals_cpu_at_model_size(dtype, K, E, bwd, unp, monkeypatch):
     monkeypatch.setenv("MMFUSE_MOE_BWD", bwd)
     monkeypatch.setenv("MMFUSE_MOE_UNPERMUTE", unp)
@@ -228,7 +229,7 @@ def test_path_knobs_reject_unknown_values(monkeypatch):
     monkeypatch.delenv("MMFUSE_MOE_PLAN")
     p = mmfuse.moe_permute(torch.randn(4, 8, device="cuda"), idx, 2)
     monkeypatch.setenv("MMFUSE_MOE_BWD", "warps")
-    with pytest.raises(ValueError, match="MMFUSE_MOE_BWD: expected auto, tile, general or warp, got 'warps'"):
+    with pytest.raises(ValueError, match="MMFUSE_MOE_BWD: expected auto, tile, general, warp or entry, got 'warps'"):
         torch.ops.mmfuse.moe_unpermute_backward(p.rows, p.rows, p.row_id_map, None)
     monkeypatch.delenv("MMFUSE_MOE_BWD")
     monkeypatch.setenv("MMFUSE_MOE_UNPERMUTE", "all")

@@ -223,7 +223,7 @@ def _fanout_us(T, H, K, it):
 
 def sweep(quick: bool = True) -> None:
     """Every launch of the plan (MMFUSE_MOE_PLAN: auto, cooperative, two), every path of the backward
-    (MMFUSE_MOE_BWD: auto, tile, general, warp) and both grids of the unpermute at K <= 2
+    (MMFUSE_MOE_BWD: auto, tile, general, warp, entry) and both grids of the unpermute at K <= 2
     (MMFUSE_MOE_UNPERMUTE: auto, token) on the benchmark's cases and a few more, each output compared
     bitwise with the default's, and the permute of the rows;
     and a copy of the backward's own bytes, so that the fixed cost of a short launch shows next to the
@@ -276,7 +276,7 @@ def sweep(quick: bool = True) -> None:
         c_us = _copy_us(nbytes, it)
         ref = ops.moe_unpermute_backward(dout, y, row_map, probs)
         line = []
-        for mode in ("auto", "tile", "general", "warp"):
+        for mode in ("auto", "tile", "general", "warp", "entry"):
             with env("MMFUSE_MOE_BWD", mode):
                 us, _ = time_us(lambda: ops.moe_unpermute_backward(dout, y, row_map, probs), "cuda", **it)
                 got = ops.moe_unpermute_backward(dout, y, row_map, probs)
