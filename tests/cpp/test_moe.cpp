@@ -309,7 +309,7 @@ TEST_P(MoeCudaRows, RowsEqualCpu) {
   Stream st;
   for (int64_t H : {1, 13, 64, 200, 2048})
     for (auto [T, K, E] : {std::tuple<int64_t, int64_t, int64_t>{0, 2, 8}, {1, 1, 2}, {37, 2, 8}, {300, 8, 64},
-                           {513, 1, 2}, {129, 4, 256}}) {
+                           {513, 1, 2}, {129, 4, 256}, {45, 12, 64}}) {  // K = 12: past the tile and warp paths
       const int64_t keep = T * K * 3 / 4;
       rows_equal_cpu<bf16>(rng, T, K, E, H, 0, 0, true, st.s);
       rows_equal_cpu<bf16>(rng, T, K, E, H, keep, 5, true, st.s);  // dropping, and rows no entry maps to
