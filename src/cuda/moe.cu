@@ -287,10 +287,13 @@ __device__ __forceinline__ void pdl_wait_primary() {
 
 // The launch configuration of a kernel that follows another in `stream`: with `pdl`, a programmatic
 // dependent launch (the kernel calls pdl_wait_primary() before it reads what the one before wrote),
-// else plain stream order. cfg points into the object: not copyable.
+// else plain stream order; given the kernel, PDL where it was built for sm_90+. cfg points into the
+// object: not copyable.
 struct DependentLaunch {
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[1];
+  DependentLaunch(const void* kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream)
+      : DependentLaunch(grid, block, smem, stream, cuda::kernel_arch(kernel) >= 90) {}
   DependentLaunch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl) {
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -857,10 +860,11 @@ __global__ void __launch_bounds__(kRowThreads) moe_unpermute_bwd_warp_kernel(
 }
 
 // Blocks of a warp-walk kernel over n items: enough for every item, at most those resident at once
-// (each warp then walks items, the next one's map entries in flight with this one's rows).
-unsigned row_blocks(const void* kernel, int64_t n) {
-  return unsigned(std::max<int64_t>(
-      1, std::min<int64_t>((n + kRowWarps - 1) / kRowWarps, cuda::resident_blocks(kernel, kRowThreads, 0))));
+// (each warp then walks items, the next one's map entries in flight with this one's rows; `all`: a
+// warp for every item, up to 2^30 blocks, so that the hardware hands out the work).
+unsigned row_blocks(const void* kernel, int64_t n, bool all = false) {
+  const int64_t cap = all ? int64_t(1) << 30 : int64_t(cuda::resident_blocks(kernel, kRowThreads, 0));
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>((n + kRowWarps - 1) / kRowWarps, cap)));
 }
 
 // ---- token-tile paths (sm_90+): unpermute and its backward ----
@@ -1411,10 +1415,8 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                     auto go = [&](auto kgc, auto chc) {
                       constexpr int KG = decltype(kgc)::value, CH = decltype(chc)::value;
                       auto kernel = &moe_unpermute_warp_kernel<D, VEC, KG, CH>;
-                      const unsigned blocks =
-                          token ? unsigned(std::min<int64_t>((T + kRowWarps - 1) / kRowWarps, int64_t(1) << 30))
-                                : row_blocks(reinterpret_cast<const void*>(kernel), T);
-                      kernel<<<blocks, kRowThreads, 0, stream>>>(
+                      kernel<<<row_blocks(reinterpret_cast<const void*>(kernel), T, token), kRowThreads, 0,
+                               stream>>>(
                           static_cast<const D*>(y.data), y.stride[0], N, static_cast<D*>(out.data), out.stride[0],
                           map_ref(map), p, p ? probs.stride[0] : 0, p ? probs.stride[1] : 0, T, K, V);
                     };
@@ -1493,8 +1495,7 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
           // experts T16k H2048: the row kernel 72.6 us, this kernel 1.7, the memset that cleared
           // its bitmap then 1.2; the whole op 79.3, event-timed.)
           auto kernel = &moe_zero_rows_kernel<B>;
-          const bool pdl = cuda::kernel_arch(reinterpret_cast<const void*>(kernel)) >= 90;
-          const DependentLaunch launch(dim3(grid), dim3(256), 0, stream, pdl);
+          const DependentLaunch launch(reinterpret_cast<const void*>(kernel), dim3(grid), dim3(256), 0, stream);
           MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, static_cast<const uint32_t*>(writes),
                                                static_cast<char*>(dy.data), dy.stride[0] * es, N, V));
           MMFUSE_CUDA_CHECK_LAUNCH("moe_zero_rows_kernel");
@@ -1522,9 +1523,8 @@ void moe_unpermute_backward_cuda(const TensorView& dout, const TensorView& y, co
             constexpr int KG = decltype(kgc)::value, CH = decltype(chc)::value;
             constexpr bool kEntry = decltype(ec)::value;
             auto kernel = &moe_unpermute_bwd_warp_kernel<D, VEC, KG, CH, kEntry>;
-            const bool pdl = cuda::kernel_arch(reinterpret_cast<const void*>(kernel)) >= 90;
-            const DependentLaunch launch(dim3(row_blocks(reinterpret_cast<const void*>(kernel), kEntry ? T * K : T)),
-                                         dim3(kRowThreads), 0, stream, pdl);
+            const void* fn = reinterpret_cast<const void*>(kernel);
+            const DependentLaunch launch(fn, dim3(row_blocks(fn, kEntry ? T * K : T)), dim3(kRowThreads), 0, stream);
             const int64_t ps0 = p ? probs.stride[0] : 0, ps1 = p ? probs.stride[1] : 0;
             const int64_t dps0 = dp ? dprobs.stride[0] : 0, dps1 = dp ? dprobs.stride[1] : 0;
             MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, static_cast<const D*>(dout.data), dout.stride[0],
