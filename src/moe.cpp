@@ -69,7 +69,10 @@ namespace detail {
 int64_t moe_plan_block_entries(int64_t tk, int64_t E) {
   // tile: a block's walk of one tile a warp (8 warps x 32 lanes x 2 ids). Blocks sum all chunks'
   // histogram columns, so the chunk count C is bounded to keep C * E (and the C * C * E reads) small.
-  constexpr int64_t tile = 512, max_cells = 1 << 13, max_blocks = 1024;
+  // 2^14 cells rather than 2^13, measured on an H100 (2026-12-06 ~10:09 UTC, us a plan, 20 in a CUDA
+  // graph, two rounds): top-8 of 256 T4096 8.84 -> 6.63 (one tile a warp instead of two), top-8 of
+  // 64 T64k 22.6 -> 21.2; the same where C does not change (T*K <= 64K at E <= 64).
+  constexpr int64_t tile = 512, max_cells = 1 << 14, max_blocks = 1024;
   const int64_t c_max = std::max<int64_t>(1, std::min(max_blocks, max_cells / std::max<int64_t>(E, 1)));
   const int64_t tiles = (tk + tile - 1) / tile;
   return tile * std::max<int64_t>(1, (tiles + c_max - 1) / c_max);
