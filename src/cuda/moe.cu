@@ -190,7 +190,9 @@ __device__ __forceinline__ void rank_chunk(const PlanArgs& a, int32_t lo, int32_
     int32_t p = 0, s = 0;
     // E = 64, C = 128: a thread's 32 chunks in one round trip to L2. Measured on an H100 (2026-12-06
     // ~09:14 UTC, us a plan, 20 in a graph, two rounds; unrolled 32 vs 16): top-2 of 64 T32k 6.04 vs
-    // 6.26, top-8 of 64 T8k dropped 6.12 vs 6.32, T64k 22.25 vs 22.7; E <= 8 the same.
+    // 6.26, top-8 of 64 T8k dropped 6.12 vs 6.32, T64k 22.25 vs 22.7; E <= 8 the same. (The compiler
+    // still issues them in waves, and at E = 8 the four of a thread one at a time; staging all of them
+    // at once with cp.async was no faster at E = 8 and 0.6 us slower at E = 64: 2026-12-06 10:51.)
 #pragma unroll 32
     for (int32_t q = g; q < a.C; q += G) {
       const int32_t h = a.hist[q * E + x];
@@ -1281,6 +1283,9 @@ void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map,
   a.counts_s = counts.stride[0];
   a.d2s = static_cast<int32_t*>(d2s.data);
   a.d2s_s = d2s.ndim ? d2s.stride[0] : 1;
+  // The two kernels' shared memory stays alike: with 32 KB more in the rank kernel alone, its blocks no
+  // longer shared an SM with the count kernel's (another shared-memory configuration), the PDL overlap
+  // was lost and a plan took up to 3.4 us more (H100, 2026-12-06 10:51; docs/benchmarks.md).
   const size_t smem_count = size_t(kPlanWarps) * E * 4, smem_rank = size_t(kPlanWarps + 2) * E * 4;
   const PlanMode mode = plan_mode();
   auto go = [&](auto two) {
