@@ -1283,7 +1283,7 @@ void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map,
   a.counts_s = counts.stride[0];
   a.d2s = static_cast<int32_t*>(d2s.data);
   a.d2s_s = d2s.ndim ? d2s.stride[0] : 1;
-  // The two kernels' shared memory stays alike: with 32 KB more in the rank kernel alone, its blocks no
+  // Keep the two kernels' shared memory alike: with 32 KB more in the rank kernel alone, its blocks no
   // longer shared an SM with the count kernel's (another shared-memory configuration), the PDL overlap
   // was lost and a plan took up to 3.4 us more (H100, 2026-12-06 10:51; docs/benchmarks.md).
   const size_t smem_count = size_t(kPlanWarps) * E * 4, smem_rank = size_t(kPlanWarps + 2) * E * 4;
