@@ -271,11 +271,17 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(PlanArgs a) {
 }
 
 // The same in two launches: where the C blocks cannot all be resident at once, and on sm_90+ where
-// the recount is one tile a warp, the second as a programmatic dependent launch (PDL), so that it
-// costs no launch gap and no grid-wide barrier: every count block lets the rank kernel launch
-// as it starts, the rank blocks load and count their ids meanwhile and wait for the whole count
-// grid (its histogram writes visible) only before they read the histograms. (Without PDL both
-// griddepcontrol instructions are no-ops: stream order already holds.)
+// the recount is one tile a warp, both as programmatic dependent launches (PDL), so that they cost
+// no launch gap and no grid-wide barrier:
+// - the count kernel's blocks start while the work before the plan finishes and wait for it (it may
+//   have written the ids), then let the rank kernel launch;
+// - the rank blocks load and count their ids meanwhile (the ids are ready: every count block has
+//   waited) and wait for the whole count grid (its histogram writes visible) only before they read
+//   the histograms;
+// - the rank kernel lets what comes next launch at once: a plain launch still waits for the whole
+//   plan, and the one programmatic dependent launch here that can follow a plan directly, another
+//   plan's count kernel, reads nothing before its wait.
+// (Without PDL the griddepcontrol instructions are no-ops: stream order already holds.)
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -312,7 +318,8 @@ struct DependentLaunch {
 
 template <bool kTwo>
 __global__ void __launch_bounds__(kPlanThreads) moe_count_kernel(PlanArgs a) {
-  pdl_launch_dependents();
+  pdl_wait_primary();       // the work before the plan (it may write the ids) has finished
+  pdl_launch_dependents();  // only then: the rank blocks read the ids before their own wait
   extern __shared__ int32_t sm[];  // [kPlanWarps][E]
   int32_t lo, hi;
   warp_part(a, blockIdx.x, threadIdx.x >> 5, lo, hi);
@@ -328,6 +335,7 @@ __global__ void __launch_bounds__(kPlanThreads) moe_count_kernel(PlanArgs a) {
 
 template <bool kTwo>
 __global__ void __launch_bounds__(kPlanThreads) moe_rank_kernel(PlanArgs a) {
+  pdl_launch_dependents();  // what follows the plan may launch: see above
   extern __shared__ int32_t sm[];  // cnt [kPlanWarps][E], pre [E], tot [E]
   int32_t* pre = sm + kPlanWarps * a.E;
   int32_t lo, hi;
@@ -1297,7 +1305,10 @@ void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map,
     // else the cooperative kernel where its blocks fit at once, else the two kernels (PDL on sm_90+).
     // Measured on an H100 (2026-12-05 ~18:02 UTC, us, PDL / cooperative / two in stream order):
     // T*K 16K-64K (one tile a warp) 7.1-9.0 / 7.2-9.5 / 9.2-12.0; top-8 of 64 at T*K 512K (4 tiles a
-    // warp) 27.9 / 24.8 / 31.7.
+    // warp) 27.9 / 24.8 / 31.7. The count kernel a dependent launch too (H100, 2026-12-06 ~11:40 UTC, us
+    // a plan, 20 in a CUDA graph / each behind a one-element add_, before / after): two experts T64k
+    // 4.65 / 4.76 -> 3.90 / 4.48, top-2 of 8 T32k 5.35 / 5.41 -> 4.64 / 5.12, top-2 of 64 T32k
+    // 6.14 / 6.22 -> 5.46 / 5.94, top-8 of 64 T8k dropped 5.92 / 6.29 -> 6.04 / 6.01.
     const bool sm90 = cuda::kernel_arch(rank) >= 90, one_tile = a.per_block <= kPlanThreads * kPlanItems;
     const bool fits = a.C <= resident_blocks(fused, smem_rank);
     const bool coop =
@@ -1312,8 +1323,11 @@ void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map,
     }
     set_smem(reinterpret_cast<const void*>(&moe_count_kernel<kTwo>), smem_count);
     set_smem(rank, smem_rank);
-    moe_count_kernel<kTwo><<<unsigned(a.C), kPlanThreads, smem_count, stream>>>(a);
-    MMFUSE_CUDA_CHECK_LAUNCH("moe_count_kernel");
+    {
+      const DependentLaunch launch(dim3(unsigned(a.C)), dim3(kPlanThreads), smem_count, stream, pdl);
+      MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, &moe_count_kernel<kTwo>, a));
+      MMFUSE_CUDA_CHECK_LAUNCH("moe_count_kernel");
+    }
     const DependentLaunch launch(dim3(unsigned(a.C)), dim3(kPlanThreads), smem_rank, stream, pdl);
     MMFUSE_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, &moe_rank_kernel<kTwo>, a));
     MMFUSE_CUDA_CHECK_LAUNCH("moe_rank_kernel");

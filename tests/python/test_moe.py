@@ -302,6 +302,50 @@ def test_cuda_graph_capture_and_no_host_sync():
 
 
 @needs_gpu
+@pytest.mark.parametrize("T,K,E", [(32768, 2, 64), (65536, 1, 2), (4096, 8, 384)])
+def test_cuda_plan_sees_the_ids_the_work_before_it_wrote(T, K, E):
+    # On sm_90+ the plan's kernels are programmatic dependent launches, whose blocks may start
+    # before the work ahead of them in the stream ends: each plan must still read the ids that work
+    # wrote. Writers: a copy after a sleep, a kernel, nothing (the first node of a graph), and
+    # another plan; in a stream and captured in a CUDA graph, replayed with new ids.
+    g = torch.Generator().manual_seed(T + K + E)
+    srcs = [_indices(T, K, E, g).cuda() for _ in range(3)]
+    idx = torch.empty_like(srcs[0])
+    shift = torch.zeros((), dtype=idx.dtype, device="cuda")
+    ops = torch.ops.mmfuse
+
+    def step():
+        torch.cuda._sleep(100000)
+        idx.copy_(srcs[0])
+        a = ops.moe_plan(idx, E, 0)
+        torch.remainder(idx + shift, E, out=idx)  # a kernel writes the ids
+        b = ops.moe_plan(idx, E, 0)
+        c = ops.moe_plan(srcs[1], E, 0)  # right after another plan
+        return a, b, c
+
+    def check(got, ids):
+        torch.cuda.synchronize()
+        for plan, i in zip(got, ids):
+            want = ops.moe_plan(i.cpu(), E, 0)
+            assert all(torch.equal(x.cpu(), y) for x, y in zip(plan, want))
+
+    check(step(), [srcs[0], srcs[0], srcs[1]])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        first = ops.moe_plan(srcs[2], E, 0)  # the graph's first node
+        got = step()
+    for n in range(1, 4):
+        srcs[0].copy_(torch.roll(srcs[0], 1, 0))
+        srcs[1].copy_((srcs[1] + n) % E)
+        srcs[2].copy_(torch.flip(srcs[2], [0]))
+        shift.fill_(n)
+        graph.replay()
+        check((first,) + got, [srcs[2], srcs[0], (srcs[0] + n) % E, srcs[1]])
+
+
+@needs_gpu
 def test_cuda_compile_fullgraph():
     g = torch.Generator().manual_seed(8)
     x = torch.randn(100, 64, generator=g).cuda()

@@ -124,6 +124,13 @@ def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat
     if device == "cuda":  # the same plan in a captured step: 20 in a CUDA graph, per plan
         g_us, g_sp = _per_call_in_graph(lambda: ops.moe_plan(idx, E, num_out), 20, it)
         rows.append(Row(f"{name} plan, 20 in a CUDA graph, per plan", g_us, g_sp, None, verified=verdict))
+        # each plan behind another kernel (the router's, in a model), which lets the plan's first kernel
+        # start only as its own blocks end, unlike a plan before it: 20 pairs in a graph, less 20 add_
+        one = torch.zeros(1, device=device)
+        a_us, a_sp = _per_call_in_graph(lambda: (one.add_(1), ops.moe_plan(idx, E, num_out)), 20, it)
+        add_us = _per_call_in_graph(lambda: one.add_(1), 20, it)[0]
+        rows.append(Row(f"{name} plan after an add_, 20 in a CUDA graph, less the add_", a_us - add_us, a_sp,
+                        None, verified=verdict))
     perm_bytes = nbytes["permute"]
     full_us, full_sp = time_us(lambda: mmfuse.moe_permute(x, idx, E, num_out), device, **it)
     rows.append(Row(f"{name} moe_permute (plan+rows)", full_us, full_sp, perm_bytes + idx.numel() * 8,
