@@ -770,7 +770,7 @@ __global__ void __launch_bounds__(kRowThreads)
   if (bad.t >= 0) bad_row("moe_unpermute", map, bad.k, bad.t, N);
 }
 
-// Backward of unpermute a warp a token (K <= 2; K <= 8 with MMFUSE_MOE_BWD=warp) or, kEntry, a warp
+// Backward of unpermute a warp a token (auto at K = 1; K <= 8 with MMFUSE_MOE_BWD=warp) or, kEntry, a warp
 // an entry (KG = 1; item i is entry k = i % K of token t = i / K, so that a block's warps share the
 // token's dout row in cache): dy[row(t,k)] = w * dout[t] and dprobs[t,k] = dot(dout[t], y[row(t,k)]),
 // each lane CH vectors of dout and of each of the KG rows at a time with all their loads issued
