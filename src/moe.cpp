@@ -80,8 +80,9 @@ int64_t moe_plan_block_entries(int64_t tk, int64_t E) {
 }  // namespace detail
 
 int64_t moe_plan_workspace_size(int64_t T, int64_t K, int64_t E) {
+  // a chunk's histogram: E int32, or (the CUDA plan's narrow rows) E rounded up to 8 uint16
   const int64_t tk = T * K, per = detail::moe_plan_block_entries(tk, E);
-  return std::max<int64_t>(1, (tk + per - 1) / per) * std::max<int64_t>(E, 1);
+  return std::max<int64_t>(1, (tk + per - 1) / per) * std::max<int64_t>({E, (E + 7) / 8 * 4, 1});
 }
 
 int64_t moe_unpermute_backward_workspace_size(int64_t rows) { return std::max<int64_t>(1, rows); }

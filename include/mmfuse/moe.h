@@ -23,6 +23,7 @@ namespace mmfuse {
 constexpr int64_t kMoeMaxExpertsCuda = 4096;
 
 // int32 elements of the plan's workspace (the CPU backend needs none; the size is the same for both).
+// On the GPU a workspace 16-byte aligned lets plans of 512 experts and more take 16-bit histograms.
 MMFUSE_API int64_t moe_plan_workspace_size(int64_t tokens, int64_t topk, int64_t num_experts);
 
 // indices [T, K] int32 / int64, ids in [0, num_experts); num_out_tokens: 0 or T*K keeps all.

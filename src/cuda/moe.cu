@@ -3,8 +3,9 @@
 // Plan: a stable counting sort of the flattened expert ids in one cooperative launch. The entries are
 // cut into C chunks (one block each). Each block counts its chunk's ids a warp per contiguous part
 // (warp-aggregated: __match_any_sync, or two ballots for two experts) and writes the chunk histogram
-// to the workspace; after a grid-wide barrier every block sums the histogram columns (its chunk's
-// offset within each expert, and the expert totals), scans the totals into expert offsets, and ranks
+// to the workspace (at 512 experts and more, 16-bit counts: see plan_hist); after a grid-wide
+// barrier every block sums the histogram columns (its chunk's offset within each expert, and the
+// expert totals), scans the totals into expert offsets, and ranks
 // each entry among the equal ids of its warp, so that an entry's destination is offset(expert) +
 // chunk offset + warp offset + rank. (On sm_90+ where each warp's part is one tile, and where the C
 // blocks cannot all be resident, the same in two launches, the second counting again: see
@@ -73,7 +74,9 @@ struct PlanArgs {
   FastDiv K;
   int32_t TK, E, n, per_block, C;
   bool contiguous;  // indices [T, K] row-major: entry i at offset i
-  int32_t* hist;    // [C][E]
+  bool narrow;      // hist of uint16 rows of hist_w (a multiple of 8) counts, else int32 rows of E
+  int32_t hist_w;
+  void* hist;       // [C][hist_w]
   int32_t* map;
   int64_t map_s0, map_s1;
   int64_t* counts;
@@ -97,7 +100,9 @@ __device__ __forceinline__ int64_t raw_id(const PlanArgs& a, int32_t i) {
   return a.idx(t, k);
 }
 
-// The lanes of this warp holding the same id as this lane (invalid lanes hold -1).
+// The lanes of this warp holding the same id as this lane (invalid lanes hold -1). (A ballot of
+// each bit of the ids instead of __match_any_sync was slower: H100 2026-12-06 13:42, us a plan, 20 in
+// a graph: top-2 of 64 T32k 6.10 vs 5.63, top-2 of 8 5.17 vs 4.74, top-8 of 4096 T8k 119.7 vs 92.6.)
 template <bool kTwo>
 __device__ __forceinline__ unsigned peers_of(int e) {
   if constexpr (kTwo) {
@@ -164,11 +169,71 @@ __device__ __forceinline__ void count_chunk(const PlanArgs& a, int32_t lo, int32
 
 // Block c's chunk histogram (the column sums of cnt) to the workspace.
 __device__ __forceinline__ void write_hist(const PlanArgs& a, const int32_t* cnt) {
-  for (int32_t x = threadIdx.x; x < a.E; x += blockDim.x) {
+  for (int32_t x = threadIdx.x; x < a.hist_w; x += blockDim.x) {
     int32_t s = 0;
+    if (x < a.E) {
 #pragma unroll
-    for (int v = 0; v < kPlanWarps; ++v) s += cnt[v * a.E + x];
-    a.hist[blockIdx.x * a.E + x] = s;
+      for (int v = 0; v < kPlanWarps; ++v) s += cnt[v * a.E + x];
+    }
+    const int64_t at = int64_t(blockIdx.x) * a.hist_w + x;
+    if (a.narrow)
+      static_cast<uint16_t*>(a.hist)[at] = uint16_t(s);
+    else
+      static_cast<int32_t*>(a.hist)[at] = s;
+  }
+}
+
+// The column sums of the chunk histograms into pre (the chunks before c) and tot (all chunks), both
+// cleared by the caller: groups of threads split the chunks of each column.
+__device__ __forceinline__ void column_sums(const PlanArgs& a, int32_t c, int32_t* pre, int32_t* tot) {
+  if (a.narrow) {  // 16-byte loads of 8 counts: all of a thread's in one round trip where E > 256
+    // (The shared atomics meet no other lane of their warp on one address where V >= 32, as auto
+    // takes it.)
+    const int32_t V = a.hist_w / 8, G = V >= kPlanThreads ? 1 : kPlanThreads / V;
+    const uint4* h4 = static_cast<const uint4*>(a.hist);
+    for (int32_t j = threadIdx.x; j < V * G; j += blockDim.x) {
+      const int32_t v = j % V, g = j / V;
+      int32_t s[8] = {}, p[8] = {};
+#pragma unroll 8
+      for (int32_t q = g; q < a.C; q += G) {
+        const uint4 h = h4[int64_t(q) * V + v];
+        const uint32_t w[4] = {h.x, h.y, h.z, h.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int32_t n = int32_t((w[i / 2] >> (16 * (i % 2))) & 0xffffu);
+          s[i] += n;
+          p[i] += q < c ? n : 0;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int32_t x = v * 8 + i;
+        if (x < a.E) {
+          atomicAdd(&pre[x], p[i]);
+          atomicAdd(&tot[x], s[i]);
+        }
+      }
+    }
+    return;
+  }
+  const int32_t E = a.E, G = E >= kPlanThreads ? 1 : kPlanThreads / E;
+  const int32_t* hist = static_cast<const int32_t*>(a.hist);
+  for (int32_t j = threadIdx.x; j < E * G; j += blockDim.x) {
+    const int32_t x = j % E, g = j / E;
+    int32_t p = 0, s = 0;
+    // E = 64, C = 128: a thread's 32 chunks in one round trip to L2. Measured on an H100 (2026-12-06
+    // ~09:14 UTC, us a plan, 20 in a graph, two rounds; unrolled 32 vs 16): top-2 of 64 T32k 6.04 vs
+    // 6.26, top-8 of 64 T8k dropped 6.12 vs 6.32, T64k 22.25 vs 22.7; E <= 8 the same. (The compiler
+    // still issues them in waves, and at E = 8 the four of a thread one at a time; staging all of them
+    // at once with cp.async was no faster at E = 8 and 0.6 us slower at E = 64: 2026-12-06 10:51.)
+#pragma unroll 32
+    for (int32_t q = g; q < a.C; q += G) {
+      const int32_t h = hist[q * E + x];
+      s += h;
+      p += q < c ? h : 0;
+    }
+    atomicAdd(&pre[x], p);
+    atomicAdd(&tot[x], s);
   }
 }
 
@@ -183,25 +248,7 @@ __device__ __forceinline__ void rank_chunk(const PlanArgs& a, int32_t lo, int32_
                                            int32_t* pre, int32_t* tot) {
   const int32_t E = a.E, c = blockIdx.x;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // column sums of the chunk histograms: groups of threads split the chunks of each expert
-  const int32_t G = E >= kPlanThreads ? 1 : kPlanThreads / E;
-  for (int32_t j = threadIdx.x; j < E * G; j += blockDim.x) {
-    const int32_t x = j % E, g = j / E;
-    int32_t p = 0, s = 0;
-    // E = 64, C = 128: a thread's 32 chunks in one round trip to L2. Measured on an H100 (2026-12-06
-    // ~09:14 UTC, us a plan, 20 in a graph, two rounds; unrolled 32 vs 16): top-2 of 64 T32k 6.04 vs
-    // 6.26, top-8 of 64 T8k dropped 6.12 vs 6.32, T64k 22.25 vs 22.7; E <= 8 the same. (The compiler
-    // still issues them in waves, and at E = 8 the four of a thread one at a time; staging all of them
-    // at once with cp.async was no faster at E = 8 and 0.6 us slower at E = 64: 2026-12-06 10:51.)
-#pragma unroll 32
-    for (int32_t q = g; q < a.C; q += G) {
-      const int32_t h = a.hist[q * E + x];
-      s += h;
-      p += q < c ? h : 0;
-    }
-    atomicAdd(&pre[x], p);
-    atomicAdd(&tot[x], s);
-  }
+  column_sums(a, c, pre, tot);
   __syncthreads();
   using Scan = cub::BlockScan<int32_t, kPlanThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -1271,6 +1318,20 @@ PlanMode plan_mode() {
   return PlanMode(env_choice("moe_plan", "MMFUSE_MOE_PLAN", {"auto", "cooperative", "two"}));
 }
 
+// MMFUSE_MOE_PLAN_HIST, the chunk histograms, for tests and measurements: auto (unset: 16-bit counts
+// from kPlanNarrowExperts experts on), wide (int32 counts) or narrow (16-bit counts at any E). Either
+// falls back to int32 where a chunk has 2^16 entries or more, or the workspace is not 16-byte aligned.
+// The 16-bit rows halve the column sums' bytes and take 8 experts a 16-byte load, so that at E > 256
+// a thread's loads go out in one round trip instead of one for every 256 experts; below, the extra
+// unpacking and shared atomics cost more than they save. Measured on an H100 (2026-12-06 14:12 UTC,
+// us a plan, 20 in a CUDA graph, wide / narrow, two rounds within 0.2): top-8 of 128 T4k 5.0 / 5.9,
+// of 256 5.9 / 6.1, of 384 10.0 / 10.4; top-10 of 512 T4k 20.3 / 12.7 (T8k 16.4 both); top-8 of 768
+// 22.4 / 14.3, of 1024 T4k 26.1 / 15.0, of 2048 35.6 / 25.0, of 4096 T8k 90.0 / 78.7; E <= 64 at
+// T*K = 64K 0.2-1.1 slower narrow.
+enum class PlanHist { kAuto, kWide, kNarrow };
+PlanHist plan_hist() { return PlanHist(env_choice("moe_plan", "MMFUSE_MOE_PLAN_HIST", {"auto", "wide", "narrow"})); }
+constexpr int64_t kPlanNarrowExperts = 512;
+
 void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map, TensorView& counts, TensorView& d2s,
                    TensorView& ws, cudaStream_t stream) {
   const int64_t T = idx.shape[0], K = idx.shape[1], TK = T * K;  // TK < 2^31, E <= 4096: checked
@@ -1283,7 +1344,12 @@ void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map,
   a.n = int32_t(n);
   a.per_block = int32_t(moe_plan_block_entries(TK, E));
   a.C = int32_t(std::max<int64_t>(1, (TK + a.per_block - 1) / a.per_block));
-  a.hist = static_cast<int32_t*>(ws.data);
+  // 16-bit histograms where a chunk's count of an expert fits and the workspace allows 16-byte loads
+  const PlanHist hist = plan_hist();
+  a.narrow = hist != PlanHist::kWide && a.per_block <= 0xffff && reinterpret_cast<uintptr_t>(ws.data) % 16 == 0 &&
+             (hist == PlanHist::kNarrow || E >= kPlanNarrowExperts);
+  a.hist_w = a.narrow ? int32_t((E + 7) / 8 * 8) : int32_t(E);
+  a.hist = ws.data;
   a.map = static_cast<int32_t*>(map.data);
   a.map_s0 = map.stride[0];
   a.map_s1 = map.stride[1];

@@ -172,16 +172,17 @@ struct CudaPlan {
 };
 
 // The CUDA plan of ids stored as dtype `it` (int32 / int64), optionally transposed ([K, T] storage
-// read through strides), outputs poisoned first.
+// read through strides), outputs poisoned first; the workspace `ws_offset` int32 into its buffer (not
+// 16-byte aligned: the plan's int32 histograms instead of its 16-bit ones).
 CudaPlan plan_cuda(const std::vector<int64_t>& ids, int64_t T, int64_t K, int64_t E, int64_t num_out, DType it,
-                   bool transposed, cudaStream_t s) {
+                   bool transposed, cudaStream_t s, int64_t ws_offset = 0) {
   const int64_t n = num_out == 0 ? T * K : num_out;
   std::vector<int64_t> stored(T * K);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < K; ++k) stored[transposed ? k * T + t : t * K + k] = ids[t * K + k];
   std::vector<int32_t> stored32(stored.begin(), stored.end());
   DeviceBuffer<int64_t> i64(stored);
-  DeviceBuffer<int32_t> i32(stored32), map(K * T), d2s(n), ws(moe_plan_workspace_size(T, K, E));
+  DeviceBuffer<int32_t> i32(stored32), map(K * T), d2s(n), ws(moe_plan_workspace_size(T, K, E) + ws_offset);
   DeviceBuffer<int64_t> counts(E);
   map.poison();
   d2s.poison();
@@ -190,7 +191,8 @@ CudaPlan plan_cuda(const std::vector<int64_t>& ids, int64_t T, int64_t K, int64_
   void* p = it == DType::kInt64 ? static_cast<void*>(i64.ptr) : static_cast<void*>(i32.ptr);
   TensorView iv = transposed ? device_view(p, it, {T, K}, {1, T}) : device_view(p, it, {T, K});
   TensorView mv = device_view(map.ptr, DType::kInt32, {K, T}), cv = device_view(counts.ptr, DType::kInt64, {E});
-  TensorView dv = device_view(d2s.ptr, DType::kInt32, {n}), wv = device_view(ws.ptr, DType::kInt32, {int64_t(ws.n)});
+  TensorView dv = device_view(d2s.ptr, DType::kInt32, {n});
+  TensorView wv = device_view(ws.ptr + ws_offset, DType::kInt32, {int64_t(ws.n) - ws_offset});
   moe_plan(iv, E, num_out, mv, cv, dv, wv, s);
   EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
   return {map.download(), d2s.download(), counts.download()};
@@ -211,16 +213,23 @@ TEST_P(MoeCudaPlan, PlanEqualsCpu) {
   std::mt19937_64 rng(test_seed());
   Stream st;
   int cases = 0;
+  // The chunk histograms (MMFUSE_MOE_PLAN_HIST) in turn auto, wide (int32) and narrow (16-bit, at any
+  // E; E = 37 and 384: rows of 5 and 48 16-byte groups); every fourth case an unaligned workspace
+  // (int32 histograms), as is T = 300000 at E = 4096 (a chunk of more than 2^16 entries).
+  static const char* const kHist[] = {"auto", "wide", "narrow"};
   for (int64_t K : {1, 2, 4, 8})
-    for (int64_t E : {1, 2, 8, 64, 256, 4096})
-      for (int64_t T : {0, 1, 37, 3001, 70001}) {
-        if (K > E || (T > 5000 && E == 4096 && K > 2)) continue;
+    for (int64_t E : {1, 2, 8, 37, 64, 256, 384, 4096})
+      for (int64_t T : {0, 1, 37, 3001, 70001, 300000}) {
+        if (K > E || (T > 5000 && E == 4096 && K > 2) || (T > 100000 && (E != 4096 || K > 1))) continue;
         const std::vector<int64_t> ids = random_ids(rng, T, K, E);
         for (int64_t num_out : {int64_t(0), T * K * 3 / 4}) {
+          if (T > 100000 && num_out) continue;
+          ScopedEnv hist("MMFUSE_MOE_PLAN_HIST", kHist[cases % 3]);
           const Plan want = plan(ids, T, K, E, num_out);
           const DType it = (cases % 2) ? DType::kInt32 : DType::kInt64;
-          const CudaPlan got = plan_cuda(ids, T, K, E, num_out, it, cases % 3 == 0, st.s);
-          ASSERT_EQ(got.map, want.map) << "K " << K << " E " << E << " T " << T << " num_out " << num_out;
+          const CudaPlan got = plan_cuda(ids, T, K, E, num_out, it, cases % 3 == 0, st.s, cases % 4 == 1 ? 1 : 0);
+          ASSERT_EQ(got.map, want.map) << "K " << K << " E " << E << " T " << T << " num_out " << num_out << " hist "
+                                       << kHist[cases % 3];
           ASSERT_EQ(got.d2s, want.d2s) << "K " << K << " E " << E << " T " << T;
           ASSERT_EQ(got.counts, want.counts) << "K " << K << " E " << E << " T " << T;
           ++cases;

@@ -227,6 +227,10 @@ def test_path_knobs_reject_unknown_values(monkeypatch):
     with pytest.raises(ValueError, match="MMFUSE_MOE_PLAN: expected auto, cooperative or two, got 'grid'"):
         torch.ops.mmfuse.moe_plan(idx, 2, 0)
     monkeypatch.delenv("MMFUSE_MOE_PLAN")
+    monkeypatch.setenv("MMFUSE_MOE_PLAN_HIST", "int16")
+    with pytest.raises(ValueError, match="MMFUSE_MOE_PLAN_HIST: expected auto, wide or narrow, got 'int16'"):
+        torch.ops.mmfuse.moe_plan(idx, 2, 0)
+    monkeypatch.delenv("MMFUSE_MOE_PLAN_HIST")
     p = mmfuse.moe_permute(torch.randn(4, 8, device="cuda"), idx, 2)
     monkeypatch.setenv("MMFUSE_MOE_BWD", "warps")
     with pytest.raises(ValueError, match="MMFUSE_MOE_BWD: expected auto, tile, general, warp or entry, got 'warps'"):
@@ -302,7 +306,7 @@ def test_cuda_graph_capture_and_no_host_sync():
 
 
 @needs_gpu
-@pytest.mark.parametrize("T,K,E", [(32768, 2, 64), (65536, 1, 2), (4096, 8, 384)])
+@pytest.mark.parametrize("T,K,E", [(32768, 2, 64), (65536, 1, 2), (4096, 8, 384), (4096, 8, 1024)])
 def test_cuda_plan_sees_the_ids_the_work_before_it_wrote(T, K, E):
     # On sm_90+ the plan's kernels are programmatic dependent launches, whose blocks may start
     # before the work ahead of them in the stream ends: each plan must still read the ids that work
