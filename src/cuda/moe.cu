@@ -187,8 +187,8 @@ __device__ __forceinline__ void write_hist(const PlanArgs& a, const int32_t* cnt
 // cleared by the caller: groups of threads split the chunks of each column.
 __device__ __forceinline__ void column_sums(const PlanArgs& a, int32_t c, int32_t* pre, int32_t* tot) {
   if (a.narrow) {  // 16-byte loads of 8 counts: all of a thread's in one round trip where E > 256
-    // (The shared atomics meet no other lane of their warp on one address where V >= 32, as auto
-    // takes it.)
+    // (Where V >= 32, as under auto, which takes it from V = 64, the lanes of a warp add to distinct
+    // addresses in each shared atomic.)
     const int32_t V = a.hist_w / 8, G = V >= kPlanThreads ? 1 : kPlanThreads / V;
     const uint4* h4 = static_cast<const uint4*>(a.hist);
     for (int32_t j = threadIdx.x; j < V * G; j += blockDim.x) {
