@@ -1458,8 +1458,8 @@ void dispatch_rows(DType dt, const char* what, int64_t H, std::initializer_list<
 }
 
 // MMFUSE_MOE_UNPERMUTE, the grid of the warp-a-token unpermute (K <= 2), for tests and measurements:
-// auto (unset: resident), resident (the warps resident at once, each walking tokens) or token (a
-// warp for every token, a block for every kRowWarps tokens).
+// auto (unset: token), resident (the warps resident at once, each walking tokens) or token (a warp
+// for every token, a block for every kRowWarps tokens).
 enum class UnpermuteLaunch { kAuto, kResident, kToken };
 UnpermuteLaunch unpermute_launch() {
   return UnpermuteLaunch(env_choice("moe_unpermute", "MMFUSE_MOE_UNPERMUTE", {"auto", "resident", "token"}));
@@ -1484,19 +1484,21 @@ void moe_unpermute_cuda(const TensorView& y, const TensorView& map, const Tensor
                     // 77.3, T64k H1024 86.0 (4 a lane; 8: 77.6) vs 54.4; K = 2 (~18:53): top-2 of 8
                     // T16k H4096 92.0 vs 79.6, H2048 86.7 vs 73.5, H7168 93.6 vs 82.8, T32k H1024
                     // 83.2 vs 71.5, H4096 10 % dropped 88.9 vs 74.8.
-                    // Only the resident warps, each walking tokens. A warp for every token won on an
-                    // H100 at K = 1 and at K = 2 with V >= 512 (2026-12-06 ~06:15 UTC, % of copy,
-                    // resident / a warp a token: two experts T16k H2048 86.4 / 88.0, T32k H1024 84.8
-                    // / 91.3, top-2 of 8 T16k H4096 91.8 / 94.1), but on the H200 those cases then
-                    // read below the resident kernel's earlier figures while the cases it did not
-                    // touch held (~06:36 vs 03:07: two experts T16k H2048 77.8 vs 80.3, T64k 85.1 vs
-                    // 91.6, top-2 of 8 T16k H4096 88.6 vs 92.0; the first two of these may have run in
-                    // slow memory, see docs/benchmarks.md 07:39). Again on an H100 (~07:41, resident /
-                    // a warp a token): two experts T16k H2048 86.6 / 87.2, T64k 92.7 / 94.9, T16k H4096
-                    // 88.1 / 92.9, T32k H1024 85.2 / 91.0; top-2 of 8 T16k H4096 93.4 / 95.5, T16k
-                    // H2048 93.0 / 90.5, T32k H2048 96.7 / 94.8. MMFUSE_MOE_UNPERMUTE=token picks it,
-                    // for the H200 A/B still owed.
-                    const bool token = unpermute_launch() == UnpermuteLaunch::kToken;
+                    // A warp for every token (the hardware hands out the blocks), not only the resident
+                    // warps each walking tokens. Measured on an H100 (2026-12-06 ~16:49 UTC, % of copy,
+                    // resident / a warp a token, three rounds in one process with the benchmark's arena,
+                    // every output equal): two experts T16k H2048 85.2-86.0 / 87.2-87.6, T64k H2048
+                    // 92.2-92.5 / 94.5-94.7, T16k H4096 87.8-88.1 / 92.8; top-2 of 8 T16k H4096
+                    // 93.3-93.7 / 95.0-95.1; top-1 of 8 T16k H2048 86.0-86.8 / 87.6-87.7. (Streaming
+                    // stores, streaming loads and 4 vectors a lane at K = 1, each on the resident grid,
+                    // gained less or lost: docs/benchmarks.md.) Earlier H100 runs agreed (~06:15, ~07:41:
+                    // two experts T16k H2048 86.4 / 88.0 and 86.6 / 87.2, top-2 of 8 T16k H4096 91.8 /
+                    // 94.1 and 93.4 / 95.5). On the H200 (~06:36) the cases it changed read below the
+                    // resident kernel's figures of 03:07 (two experts T16k H2048 77.8 vs 80.3, top-2 of
+                    // 8 T16k H4096 88.6 vs 92.0) in a run whose buffers may have sat in slow memory
+                    // (docs/benchmarks.md 07:39); an H200 A/B in one process is still owed, and the
+                    // benchmark's sweep prints it (MMFUSE_MOE_UNPERMUTE=resident).
+                    const bool token = unpermute_launch() != UnpermuteLaunch::kResident;
                     auto go = [&](auto kgc, auto chc) {
                       constexpr int KG = decltype(kgc)::value, CH = decltype(chc)::value;
                       auto kernel = &moe_unpermute_warp_kernel<D, VEC, KG, CH>;

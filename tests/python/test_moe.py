@@ -191,8 +191,8 @@ def test_cuda_bad_input_stops_with_a_message(call, message, bwd):
 @pytest.mark.parametrize("K,E", [(1, 2), (2, 8), (4, 16)])
 # the backward's paths (MMFUSE_MOE_BWD: auto, a warp a token at K = 1, a warp an entry at K = 2; tile;
 # warp, a warp a token at every K here; entry, a warp an entry) with the unpermute's launches
-# (MMFUSE_MOE_UNPERMUTE: resident warps; a warp a token)
-@pytest.mark.parametrize("bwd,unp", [("auto", "auto"), ("tile", "token"), ("warp", "auto"), ("entry", "auto")])
+# (MMFUSE_MOE_UNPERMUTE: auto, a warp a token; resident warps)
+@pytest.mark.parametrize("bwd,unp", [("auto", "auto"), ("tile", "resident"), ("warp", "auto"), ("entry", "auto")])
 def test_cuda_equals_cpu_at_model_size(dtype, K, E, bwd, unp, monkeypatch):
     monkeypatch.setenv("MMFUSE_MOE_BWD", bwd)
     monkeypatch.setenv("MMFUSE_MOE_UNPERMUTE", unp)

@@ -231,7 +231,7 @@ def _fanout_us(T, H, K, it):
 def sweep(quick: bool = True) -> None:
     """Every launch of the plan (MMFUSE_MOE_PLAN: auto, cooperative, two), every path of the backward
     (MMFUSE_MOE_BWD: auto, tile, general, warp, entry) and both grids of the unpermute at K <= 2
-    (MMFUSE_MOE_UNPERMUTE: auto, token) on the benchmark's cases and a few more, each output compared
+    (MMFUSE_MOE_UNPERMUTE: auto, resident) on the benchmark's cases and a few more, each output compared
     bitwise with the default's, and the permute of the rows;
     and a copy of the backward's own bytes, so that the fixed cost of a short launch shows next to the
     1 GiB copy ceiling that the percentages are of; and a streaming fan-out of the permute's rows (each
@@ -294,7 +294,7 @@ def sweep(quick: bool = True) -> None:
               f" | a copy of the same {nbytes / 2 ** 20:.0f} MiB: {pct(nbytes, c_us):.1f}")
         line = []
         ref = mmfuse.moe_unpermute(y, row_map, probs)
-        for mode in ("auto", "token"):
+        for mode in ("auto", "resident"):
             with env("MMFUSE_MOE_UNPERMUTE", mode):
                 u_us, _ = time_us(lambda: mmfuse.moe_unpermute(y, row_map, probs), "cuda", **it)
                 same = torch.equal(mmfuse.moe_unpermute(y, row_map, probs), ref)
