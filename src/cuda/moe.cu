@@ -11,7 +11,8 @@
 // blocks cannot all be resident, the same in two launches, the second counting again: see
 // moe_count_kernel.) No atomics on global memory, no host sync, deterministic; ids
 // out of range stop the kernel with a message (reported after the hot loops, so that the reporting
-// call does not cost the loops registers).
+// call does not cost the loops registers). Where a plan's time goes, phase by phase inside a CUDA
+// graph, and the variants measured against it: docs/benchmarks.md, 2026-12-06 17:46-18:16.
 //
 // Data movement is token-centric so that each input row is read once: permute reads x[t] and writes
 // its K destination rows; unpermute reads the K rows of token t and writes out[t]; the backward reads
@@ -102,7 +103,9 @@ __device__ __forceinline__ int64_t raw_id(const PlanArgs& a, int32_t i) {
 
 // The lanes of this warp holding the same id as this lane (invalid lanes hold -1). (A ballot of
 // each bit of the ids instead of __match_any_sync was slower: H100 2026-12-06 13:42, us a plan, 20 in
-// a graph: top-2 of 64 T32k 6.10 vs 5.63, top-2 of 8 5.17 vs 4.74, top-8 of 4096 T8k 119.7 vs 92.6.)
+// a graph: top-2 of 64 T32k 6.10 vs 5.63, top-2 of 8 5.17 vs 4.74, top-8 of 4096 T8k 119.7 vs 92.6;
+// and again at 18:09 at E <= 256, 0.3-0.6 us slower at E = 8 and 16, within 0.2 at E = 64, although
+// a dependent chain of __match_any_sync takes 57 cycles at 1 distinct id and 400-510 at 25.)
 template <bool kTwo>
 __device__ __forceinline__ unsigned peers_of(int e) {
   if constexpr (kTwo) {

@@ -214,8 +214,9 @@ TEST_P(MoeCudaPlan, PlanEqualsCpu) {
   Stream st;
   int cases = 0;
   // The chunk histograms (MMFUSE_MOE_PLAN_HIST) in turn auto, wide (int32) and narrow (16-bit, at any
-  // E; E = 37 and 384: rows of 5 and 48 16-byte groups); every fourth case an unaligned workspace
-  // (int32 histograms), as is T = 300000 at E = 4096 (a chunk of more than 2^16 entries).
+  // E; E = 37 and 384: rows of 5 and 48 16-byte groups), each with and without transposed ids; every
+  // fourth case an unaligned workspace (int32 histograms), as is T = 300000 at E = 4096 (a chunk of
+  // more than 2^16 entries).
   static const char* const kHist[] = {"auto", "wide", "narrow"};
   for (int64_t K : {1, 2, 4, 8})
     for (int64_t E : {1, 2, 8, 37, 64, 256, 384, 4096})
@@ -224,12 +225,13 @@ TEST_P(MoeCudaPlan, PlanEqualsCpu) {
         const std::vector<int64_t> ids = random_ids(rng, T, K, E);
         for (int64_t num_out : {int64_t(0), T * K * 3 / 4}) {
           if (T > 100000 && num_out) continue;
-          ScopedEnv hist("MMFUSE_MOE_PLAN_HIST", kHist[cases % 3]);
+          const char* const hist_mode = kHist[(cases / 3) % 3];  // crossed with the transposed ids (cases % 3)
+          ScopedEnv hist("MMFUSE_MOE_PLAN_HIST", hist_mode);
           const Plan want = plan(ids, T, K, E, num_out);
           const DType it = (cases % 2) ? DType::kInt32 : DType::kInt64;
           const CudaPlan got = plan_cuda(ids, T, K, E, num_out, it, cases % 3 == 0, st.s, cases % 4 == 1 ? 1 : 0);
           ASSERT_EQ(got.map, want.map) << "K " << K << " E " << E << " T " << T << " num_out " << num_out << " hist "
-                                       << kHist[cases % 3];
+                                       << hist_mode;
           ASSERT_EQ(got.d2s, want.d2s) << "K " << K << " E " << E << " T " << T;
           ASSERT_EQ(got.counts, want.counts) << "K " << K << " E " << E << " T " << T;
           ++cases;
