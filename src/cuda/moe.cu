@@ -105,7 +105,7 @@ __device__ __forceinline__ int64_t raw_id(const PlanArgs& a, int32_t i) {
 // each bit of the ids instead of __match_any_sync was slower: H100 2026-12-06 13:42, us a plan, 20 in
 // a graph: top-2 of 64 T32k 6.10 vs 5.63, top-2 of 8 5.17 vs 4.74, top-8 of 4096 T8k 119.7 vs 92.6;
 // and again at 18:09 at E <= 256, 0.3-0.6 us slower at E = 8 and 16, within 0.2 at E = 64, although
-// a dependent chain of __match_any_sync takes 57 cycles at 1 distinct id and 400-510 at 25.)
+// a dependent chain of __match_any_sync takes 57 cycles at 1 distinct id and 320-400 at 25.)
 template <bool kTwo>
 __device__ __forceinline__ unsigned peers_of(int e) {
   if constexpr (kTwo) {
