@@ -1377,7 +1377,11 @@ void moe_plan_cuda(const TensorView& idx, int64_t E, int64_t n, TensorView& map,
     // warp) 27.9 / 24.8 / 31.7. The count kernel a dependent launch too (H100, 2026-12-06 ~11:40 UTC, us
     // a plan, 20 in a CUDA graph / each behind a one-element add_, before / after): two experts T64k
     // 4.65 / 4.76 -> 3.90 / 4.48, top-2 of 8 T32k 5.35 / 5.41 -> 4.64 / 5.12, top-2 of 64 T32k
-    // 6.14 / 6.22 -> 5.46 / 5.94, top-8 of 64 T8k dropped 5.92 / 6.29 -> 6.04 / 6.01.
+    // 6.14 / 6.22 -> 5.46 / 5.94, top-8 of 64 T8k dropped 5.92 / 6.29 -> 6.04 / 6.01. The cooperative
+    // kernel as a programmatic dependent launch lost at one tile a warp and tied behind an add_ beyond
+    // (H100, 2026-12-06 18:52 UTC, same measure, auto vs it): top-2 of 64 T32k 5.49 / 5.83 vs
+    // 5.62 / 6.45, top-2 of 8 T32k 4.65 / 5.16 vs 4.89 / 5.71, top-8 of 64 T64k 21.27 / 21.30 vs
+    // 20.70 / 21.33 (docs/benchmarks.md).
     const bool sm90 = cuda::kernel_arch(rank) >= 90, one_tile = a.per_block <= kPlanThreads * kPlanItems;
     const bool fits = a.C <= resident_blocks(fused, smem_rank);
     const bool coop =
