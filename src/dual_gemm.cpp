@@ -1,4 +1,5 @@
 // Dual-expert GEMM entry point: validate both problems, then call the backend.
+#include "backends/dual_gemm.h"
 #include "mmfuse/dual_gemm.h"
 
 #include <string>

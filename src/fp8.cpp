@@ -1,4 +1,5 @@
 // FP8 entry points: validate the quantize jobs and the GEMM operands, then call the backend.
+#include "backends/fp8.h"
 #include "mmfuse/fp8.h"
 
 #include <string>
@@ -158,7 +159,7 @@ void fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& scale_
   MMFUSE_CHECK(out.shape[0] == m && out.shape[1] == n, op, ": out: expected shape [", m, ", ", n, "], got ",
                shape_str(out));
   const bool empty = m == 0 || n == 0;
-  // contiguous: cuBLASLt's fp8 kernels refused a padded row stride on the H200 (status 15)
+  // contiguous: cuBLASLt's fp8 kernels refuse a padded row stride
   MMFUSE_CHECK(empty || dense(out), op, ": out: expected a contiguous tensor, got strides [", out.stride[0], ", ",
                out.stride[1], "]");
   MMFUSE_CHECK(!o.accumulate || out.dtype == DType::kFloat32, op, ": accumulate=True needs a float32 out, got ",

@@ -1,4 +1,5 @@
 // MoE routing entry points: validate the views, then call the CPU or CUDA backend.
+#include "backends/moe.h"
 #include "mmfuse/moe.h"
 
 #include <algorithm>
@@ -68,10 +69,8 @@ void check_workspace(const char* op, const TensorView& ws, int64_t need, Device 
 namespace detail {
 int64_t moe_plan_block_entries(int64_t tk, int64_t E) {
   // tile: a block's walk of one tile a warp (8 warps x 32 lanes x 2 ids). Blocks sum all chunks'
-  // histogram columns, so the chunk count C is bounded to keep C * E (and the C * C * E reads) small.
-  // 2^14 cells rather than 2^13, measured on an H100 (2026-12-06 ~10:09 UTC, us a plan, 20 in a CUDA
-  // graph, two rounds): top-8 of 256 T4096 8.84 -> 6.63 (one tile a warp instead of two), top-8 of
-  // 64 T64k 22.6 -> 21.2; the same where C does not change (T*K <= 64K at E <= 64).
+  // histogram columns, so the chunk count C is bounded to keep C * E (and the C * C * E reads) small;
+  // 2^14 cells keep one tile a warp up to E = 256 at T*K = 32K.
   constexpr int64_t tile = 512, max_cells = 1 << 14, max_blocks = 1024;
   const int64_t c_max = std::max<int64_t>(1, std::min(max_blocks, max_cells / std::max<int64_t>(E, 1)));
   const int64_t tiles = (tk + tile - 1) / tile;

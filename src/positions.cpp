@@ -1,4 +1,5 @@
 // Position-preprocessing entry points: validate the views, then call the CPU or CUDA backend.
+#include "backends/positions.h"
 #include "mmfuse/positions.h"
 
 #include <algorithm>

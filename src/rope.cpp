@@ -1,4 +1,5 @@
 // Rotary family entry points: validate and normalise the views, then call the CPU or CUDA backend.
+#include "backends/rope.h"
 #include "mmfuse/rope.h"
 
 #include <algorithm>
@@ -125,14 +126,14 @@ int rope_axis(const RopeParams& p, int j) {
 RopeLaunch rope_launch_shape(int64_t tokens, int heads, int head_dim, int elem_size, int max_vec) {
   RopeLaunch s{};
   const int half = head_dim / 2;
-  // 8-byte accesses where the half head, the pointers and the strides allow; else narrower. (On the
-  // H200, 8-byte slots beat 16-byte ones: twice the threads for the same bytes in flight.)
+  // 8-byte accesses where the half head, the pointers and the strides allow; else narrower (8-byte
+  // slots beat 16-byte ones: twice the threads for the same bytes in flight).
   int vec = std::max(1, std::min(max_vec, 8 / elem_size));
   while (vec > 1 && half % vec != 0) vec /= 2;
   s.vec = vec;
   s.chunks = half / vec;
   // About 256 threads a block (up to 512 when one token alone needs more vectors), whole warps
-  // where a few more tokens make them so (measured on the H200: 256 beats 128, whole warps help).
+  // where a few more tokens make them so (256 beats 128).
   s.tokens_per_block = std::max(1, 256 / s.chunks);
   for (int t = s.tokens_per_block; t < 2 * s.tokens_per_block && t * s.chunks <= 512; ++t)
     if (t * s.chunks % 32 == 0) {

@@ -2,7 +2,15 @@
 // Each family is a fragment whose fake (meta) implementations live in python/mmfuse/<family>.py.
 #include <torch/library.h>
 
-TORCH_LIBRARY(mmfuse, m) {}
+#include "mmfuse/common.h"
+#include "view.h"
+
+// Debug overrides of the CUDA backends' path choices, for tests and benchmarks (mmfuse/common.h).
+TORCH_LIBRARY(mmfuse, m) {
+  m.def("_set_path_override(str name, str value) -> ()", [](std::string name, std::string value) {
+    mmfuse::torch_bind::guarded("_set_path_override", [&] { mmfuse::set_path_override(name, value); });
+  });
+}
 
 // Rotary family (python/mmfuse/rope.py). Angles: (cos, sin) tables [A, B, L, D], or integer
 // positions [A, B, L] with fp32 inv_freq [D/2]. numerics: "fp32" or "hf_eager". heads_first: 4-D q/k

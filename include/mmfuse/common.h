@@ -50,6 +50,11 @@ struct Device {
 
 MMFUSE_API std::string device_name(Device d);
 
+// For tests and measurements only: forces an automatic kernel-path choice of the CUDA backends, named
+// by its environment variable (MMFUSE_MOE_PLAN, MMFUSE_MOE_PLAN_HIST, MMFUSE_MOE_BWD; "auto" restores
+// the rule). Every path computes the same bits. Throws, naming the choices, on an unknown name or value.
+MMFUSE_API void set_path_override(const std::string& name, const std::string& value);
+
 constexpr int kMaxDims = 8;
 
 // Non-owning strided view. shape/stride in elements; stride of a size-1 dim is irrelevant.

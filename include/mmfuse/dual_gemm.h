@@ -12,19 +12,8 @@
 //
 // Backends: CPU (a reference-quality loop, rows in parallel; the torch binding checks with
 // dual_gemm_check and computes the CPU products with ATen's matmul, fp32-accumulating like this
-// loop and many times faster); CUDA, two paths: cuBLASLt,
-// one matmul an expert on the caller's stream (the bigger first), descriptors and algorithms cached
-// per problem, the caller's workspace; and one persistent sm_90a kernel over the tiles of both
-// problems (TMA, wgmma; bf16 / fp16 with 16-byte-aligned operands and row strides). A shape
-// heuristic picks the path; the environment variable MMFUSE_DUAL_GEMM_PATH = cublaslt | persistent
-// forces one (for tests and measurements; persistent falls back to cuBLASLt where the kernel cannot
-// take the operands); MMFUSE_DUAL_GEMM_SCHEDULE = tiles | stream-k forces the persistent kernel's
-// schedule (whole output tiles a cluster; or the last units' k-blocks shared out across clusters,
-// through fp32 partials in the workspace, summed in a fixed order).
-// Today the heuristic picks cuBLASLt everywhere: the persistent kernel is correct, but at best 1-4 %
-// faster (the VLA down dW in three H100 runs and one H200 run, the tiny-small forward or dW in some;
-// no shape rule separates them) and slower elsewhere (docs/benchmarks.md, 2026-12-05 21:28,
-// 2026-12-06 02:16, 04:36 and 06:37).
+// loop and many times faster); CUDA: cuBLASLt, one matmul an expert on the caller's stream (the
+// bigger first), descriptors and algorithms cached per problem, the caller's workspace, no host sync.
 #pragma once
 
 #include "mmfuse/common.h"
@@ -50,15 +39,5 @@ MMFUSE_API void dual_gemm_check(const TensorView& a0, const TensorView& w0, cons
 MMFUSE_API void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, const TensorView& a1,
                           const TensorView& w1, TensorView& out1, const DualGemmOptions& options,
                           TensorView& workspace, cudaStream_t stream);
-
-namespace detail {
-// One product on the CPU: out (+)= op(a) @ op(w), shapes already checked.
-void gemm_cpu(const TensorView& a, const TensorView& w, TensorView& out, const DualGemmOptions& options);
-#ifdef MMFUSE_WITH_CUDA
-void dual_gemm_cuda(const TensorView& a0, const TensorView& w0, TensorView& out0, const TensorView& a1,
-                    const TensorView& w1, TensorView& out1, const DualGemmOptions& options, TensorView& workspace,
-                    cudaStream_t stream);
-#endif
-}  // namespace detail
 
 }  // namespace mmfuse

@@ -82,16 +82,4 @@ MMFUSE_API void fp8_gemm(const TensorView& a, const TensorView& b, const TensorV
                          const TensorView& scale_b, const TensorView& bias, TensorView& out,
                          const Fp8GemmOptions& options, TensorView& workspace, cudaStream_t stream);
 
-namespace detail {
-void fp8_quantize_cpu(const Fp8QuantJob& job);
-void fp8_gemm_cpu(const TensorView& a, const TensorView& b, const TensorView& scale_a, const TensorView& scale_b,
-                  const TensorView& bias, TensorView& out, const Fp8GemmOptions& options);
-#ifdef MMFUSE_WITH_CUDA
-void fp8_quantize_cuda(Fp8QuantJob* jobs, int num_jobs, cudaStream_t stream);
-void fp8_gemm_cuda(const TensorView& a, const TensorView& b, const TensorView& scale_a, const TensorView& scale_b,
-                   const TensorView& bias, TensorView& out, const Fp8GemmOptions& options, TensorView& workspace,
-                   cudaStream_t stream);
-#endif
-}  // namespace detail
-
 }  // namespace mmfuse

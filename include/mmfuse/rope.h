@@ -85,15 +85,4 @@ struct RopeLaunch {
 // (a power of two).
 MMFUSE_API RopeLaunch rope_launch_shape(int64_t tokens, int heads, int head_dim, int elem_size, int max_vec);
 
-namespace detail {
-// Backends, called by mrope after validation. The views are already normalised: q/k/outs 4-D
-// [B, L, H, D]; cos/sin 4-D [A, B, L, D]; positions 3-D [A, B, L]; freqs 3-D [B, L, D/2].
-void mrope_cpu(const TensorView& q, const TensorView& k, const RopeAngles& a, const RopeParams& p,
-               TensorView& q_out, TensorView& k_out);
-#ifdef MMFUSE_WITH_CUDA
-void mrope_cuda(const TensorView& q, const TensorView& k, const RopeAngles& a,
-                const RopeParams& p, TensorView& q_out, TensorView& k_out, cudaStream_t stream);
-#endif
-}  // namespace detail
-
 }  // namespace mmfuse

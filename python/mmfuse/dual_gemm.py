@@ -1,15 +1,7 @@
 """Asymmetric dual-expert GEMM (SEMANTICS.md section 6): two independent products in one call,
 ``out_e = op(a_e) @ op(w_e)`` for ``e`` in {0, 1}, the experts free to differ in m, n and k.
 Differentiable in all four inputs. CPU, and CUDA through cuBLASLt (one matmul an expert on the current
-stream, descriptors and algorithms cached per problem, no host sync). A persistent sm_90a kernel over
-both problems' tiles (TMA, wgmma) also exists; it is exact, but at best 1-4 % faster than cuBLASLt
-(the VLA down dW in three H100 runs and one H200 run, the tiny-small forward or dW in some, with no
-shape rule that separates them from the losses) and slower elsewhere, so the path heuristic does not
-pick it. ``MMFUSE_DUAL_GEMM_PATH=cublaslt`` or ``=persistent`` in the environment forces a path,
-and ``MMFUSE_DUAL_GEMM_SCHEDULE=tiles`` or ``=stream-k`` the persistent kernel's schedule (whole
-output tiles a cluster; or the last units' k-blocks shared out across clusters, partials summed in
-a fixed order; by default stream-K for k >= 4096 where it levels the clusters' work, else tiles);
-both are read at each call, for tests and measurements.
+stream, the bigger first, descriptors and algorithms cached per problem, no host sync).
 """
 
 from typing import Optional, Tuple

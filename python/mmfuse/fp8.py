@@ -93,9 +93,8 @@ def fp8_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Optio
 # ---- when fp8 pays -----------------------------------------------------------------------------
 
 # Smallest m * n * k of a linear layer that runs in fp8 on the GPU; below it the layer runs in bf16
-# (F.linear), where the quantize passes and the launches cost more than the faster GEMM saves. From
-# the H200 table in docs/benchmarks.md ("fp8", fwd+bwd share of bf16): 4096x2048x2048 1.72 (loses),
-# 4096^3 0.89, 8192x4096x4096 0.73, 8192^3 0.61 (win).
+# (F.linear), where the quantize passes and the launches cost more than the faster GEMM saves
+# (docs/design/fp8.md gives the measured crossover).
 FP8_MIN_MNK = 4096 ** 3
 
 

@@ -2,7 +2,8 @@
 (ascending expert id, then ascending ``(token, k)``: a stable counting sort of the small expert ids),
 ``moe_unpermute`` brings the expert outputs back, weighted by the routing probabilities, summed in
 fp32. Autograd through ``x``, the permuted rows and ``probs``. CPU and CUDA; no host syncs (the CUDA
-plan is two small kernels, the row movement one kernel each), capturable in CUDA graphs, deterministic.
+plan is one or two small launches, each row movement one kernel and its backward three), capturable in
+CUDA graphs, deterministic.
 """
 
 from typing import NamedTuple, Optional

@@ -6,6 +6,7 @@
 
 #include "common/dispatch.h"
 #include "common/parallel.h"
+#include "backends/dual_gemm.h"
 #include "mmfuse/dual_gemm.h"
 
 namespace mmfuse {

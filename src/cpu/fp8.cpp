@@ -8,6 +8,7 @@
 
 #include "common/dispatch.h"
 #include "common/parallel.h"
+#include "backends/fp8.h"
 #include "mmfuse/fp8.h"
 
 namespace mmfuse {

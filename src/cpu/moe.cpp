@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "common/dispatch.h"
+#include "backends/moe.h"
 #include "mmfuse/moe.h"
 
 namespace mmfuse {

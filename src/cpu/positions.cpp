@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/dispatch.h"
+#include "backends/positions.h"
 #include "mmfuse/positions.h"
 
 namespace mmfuse {

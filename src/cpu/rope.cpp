@@ -5,6 +5,7 @@
 
 #include "common/dispatch.h"
 #include "common/parallel.h"
+#include "backends/rope.h"
 #include "mmfuse/rope.h"
 
 namespace mmfuse {

@@ -1,5 +1,5 @@
 // cuBLASLt pieces shared by the GEMM backends (dual_gemm, fp8): checked calls, one handle per device
-// for the process, pointer alignment, the heuristic's first algorithm for a described problem, and a
+// for the process, the heuristic's first algorithm for a described problem, and a
 // bounded per-process cache of those algorithms.
 #pragma once
 
@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "common/cuda_check.h"
+#include "cuda/device_util.cuh"
 #include "mmfuse/common.h"
 
 #define MMFUSE_CUBLAS_CHECK(expr)                                                                      \
@@ -34,13 +35,6 @@ inline cudaDataType_t cuda_type(DType t) {
   }
 }
 
-// Largest power of two (at most 256) dividing the address: the alignment cuBLASLt may assume.
-inline uint32_t alignment(const void* p) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  uint32_t b = 256;
-  while (b > 1 && a % b) b /= 2;
-  return b;
-}
 
 // The process's cuBLASLt handle for a device (created on first use, never destroyed).
 inline cublasLtHandle_t cublaslt_handle(int device) {

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cassert>
+#include <cuda/std/cassert>  // declares __assert_fail under NDEBUG too (MMFUSE_DEVICE_FAIL)
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -51,6 +52,14 @@ int cached_fact(const Key& key, Query query) {
   std::lock_guard<std::mutex> lock(mu);
   cache[key] = v;
   return v;
+}
+
+// Largest power of two (at most 256) dividing the address (the alignment cuBLASLt may assume).
+inline uint32_t alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t b = 256;
+  while (b > 1 && a % b) b /= 2;
+  return b;
 }
 
 inline int current_device() {

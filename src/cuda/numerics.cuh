@@ -23,14 +23,8 @@ struct device_type<f16> {
   using type = __half;
 };
 
-template <class T>
-struct dcompute {
-  using type = float;
-};
-template <>
-struct dcompute<double> {
-  using type = double;
-};
+// The compute type of a storage type: common/numerics.h's, for the device types too (float but for double).
+using mmfuse::compute_type;
 
 __device__ __forceinline__ float dload(float v) { return v; }
 __device__ __forceinline__ double dload(double v) { return v; }
@@ -38,7 +32,7 @@ __device__ __forceinline__ float dload(__nv_bfloat16 v) { return __bfloat162floa
 __device__ __forceinline__ float dload(__half v) { return __half2float(v); }
 
 template <class T>
-__device__ __forceinline__ T dstore(typename dcompute<T>::type v);
+__device__ __forceinline__ T dstore(typename compute_type<T>::type v);
 template <>
 __device__ __forceinline__ float dstore<float>(float v) { return v; }
 template <>
@@ -49,7 +43,7 @@ template <>
 __device__ __forceinline__ __half dstore<__half>(float v) { return __float2half_rn(v); }
 
 template <class T>
-__device__ __forceinline__ typename dcompute<T>::type dround(typename dcompute<T>::type v) {
+__device__ __forceinline__ typename compute_type<T>::type dround(typename compute_type<T>::type v) {
   return dload(dstore<T>(v));
 }
 

@@ -20,6 +20,7 @@
 
 #include "common/cuda_check.h"
 #include "cuda/device_util.cuh"
+#include "backends/positions.h"
 #include "mmfuse/positions.h"
 
 namespace mmfuse {

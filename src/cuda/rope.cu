@@ -16,6 +16,7 @@
 #include "cuda/device_util.cuh"
 #include "cuda/numerics.cuh"
 #include "cuda/tma.cuh"
+#include "backends/rope.h"
 #include "mmfuse/rope.h"
 
 namespace mmfuse {
@@ -145,7 +146,7 @@ __device__ __forceinline__ void stage_wait() {
 // and Q2 == Q1 and half the coefficient registers suffice.
 template <class T, int VEC, bool kSym>
 __global__ void __launch_bounds__(512) rope_kernel(const RopeArgs a) {
-  using C = typename cuda::dcompute<T>::type;
+  using C = typename cuda::compute_type<T>::type;
   using V = Vec<T, VEC>;
   static_assert(VEC >= 1 && (VEC & (VEC - 1)) == 0, "VEC must be a power of two");
   static_assert(sizeof(T) * VEC <= 16, "one access moves at most 16 bytes");
@@ -288,7 +289,7 @@ using cuda::smem_addr;
 template <class T, int HV>
 __device__ __forceinline__ void tile_rotate(const TileArgs& a, unsigned char* rows, const float* fr,
                                             unsigned char* cs, int nt, int W) {
-  using C = typename cuda::dcompute<T>::type;
+  using C = typename cuda::compute_type<T>::type;
   constexpr int EV = int(16 / sizeof(T)), G = tile_group_bytes<T>();
   using V = Vec<T, EV>;
   const int hv = HV > 0 ? HV : a.hv, half = hv * EV, tid = threadIdx.x, nthr = blockDim.x;

@@ -1,7 +1,7 @@
 // Host-only tests of the shared pieces: dtype conversions (exhaustive), views, errors.
 #include <cmath>
 
-#include "common/env.h"
+#include "common/overrides.h"
 #include "test_util.h"
 
 namespace mmfuse {
@@ -66,25 +66,24 @@ TEST(Error, MessageNamesArgumentAndLocation) {
   }
 }
 
-TEST(EnvChoice, IndexOfTheValueAndAnErrorNamingTheChoices) {
-  const char* name = "MMFUSE_TEST_ENV_CHOICE";
-  unsetenv(name);
-  EXPECT_EQ(env_choice("op", name, {"auto", "a", "b"}), 0);  // unset: the first
+TEST(PathOverride, SetByNameAndErrorsNamingTheChoices) {
+  EXPECT_EQ(path_override(Knob::kMoeBackward), 0);  // auto unless the environment says otherwise
   {
-    test::ScopedEnv env(name, "");
-    EXPECT_EQ(env_choice("op", name, {"auto", "a", "b"}), 0);
+    test::ScopedOverride force("MMFUSE_MOE_BWD", "entry");
+    EXPECT_EQ(path_override(Knob::kMoeBackward), 4);
+    EXPECT_EQ(path_override(Knob::kMoePlan), 0);
   }
-  {
-    test::ScopedEnv env(name, "b");
-    EXPECT_EQ(env_choice("op", name, {"auto", "a", "b"}), 2);
-  }
-  {
-    test::ScopedEnv env(name, "c");
-    test::expect_error([&] { env_choice("op", name, {"auto", "a", "b"}); },
-                       "op: MMFUSE_TEST_ENV_CHOICE: expected auto, a or b, got 'c'");
-    test::expect_error([&] { env_choice("op", name, {"auto", "registers"}); },
-                       "op: MMFUSE_TEST_ENV_CHOICE: expected auto or registers, got 'c'");
-  }
+  EXPECT_EQ(path_override(Knob::kMoeBackward), 0);
+  set_path_override("MMFUSE_MOE_PLAN_HIST", "");  // empty: auto
+  EXPECT_EQ(path_override(Knob::kMoePlanHist), 0);
+  test::expect_error([] { set_path_override("MMFUSE_MOE_PLAN", "grid"); },
+                     "moe_plan: MMFUSE_MOE_PLAN: expected auto, cooperative or two, got 'grid'");
+  test::expect_error([] { set_path_override("MMFUSE_MOE_BWD", "warps"); },
+                     "moe_unpermute_backward: MMFUSE_MOE_BWD: expected auto, tile, general, warp or entry, got 'warps'");
+  test::expect_error([] { set_path_override("MMFUSE_MOE_PATH", "auto"); },
+                     "set_path_override: name: expected one of MMFUSE_MOE_PLAN, MMFUSE_MOE_PLAN_HIST, MMFUSE_MOE_BWD, "
+                     "got 'MMFUSE_MOE_PATH'");
+  EXPECT_EQ(path_override(Knob::kMoePlan), 0);  // a refused value leaves the knob as it was
 }
 
 }  // namespace

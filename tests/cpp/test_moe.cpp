@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/moe/path.h"
 #include "mmfuse/moe.h"
 #include "test_util.h"
 
@@ -143,6 +144,96 @@ TEST(MoeCpu, BadInputNamesTheProblem) {
   }
 }
 
+// The CUDA path rule (pure host functions), checked without a GPU.
+TEST(MoePath, PlanLaunchAndHistograms) {
+  using namespace detail::moe;
+  // sm_90 at one tile a warp: the two kernels as dependent launches, even where the blocks fit at once
+  PlanPath p = plan_path(90, 64, 512, 64, 264, true);
+  EXPECT_FALSE(p.cooperative);
+  EXPECT_TRUE(p.pdl);
+  EXPECT_FALSE(p.narrow);
+  // more tiles a warp: the cooperative kernel where its blocks fit, else the dependent launches
+  EXPECT_TRUE(plan_path(90, 64, 2048, 64, 264, true).cooperative);
+  p = plan_path(90, 64, 2048, 300, 264, true);
+  EXPECT_FALSE(p.cooperative);
+  EXPECT_TRUE(p.pdl);
+  // before sm_90: cooperative where the blocks fit, else the two kernels in plain stream order
+  EXPECT_TRUE(plan_path(80, 8, 512, 10, 216, true).cooperative);
+  p = plan_path(80, 8, 512, 300, 216, true);
+  EXPECT_FALSE(p.cooperative);
+  EXPECT_FALSE(p.pdl);
+  // 16-bit histograms from kPlanNarrowExperts experts, where a chunk's counts fit and the workspace is aligned
+  EXPECT_FALSE(plan_path(90, kPlanNarrowExperts - 1, 512, 8, 264, true).narrow);
+  EXPECT_TRUE(plan_path(90, kPlanNarrowExperts, 512, 8, 264, true).narrow);
+  EXPECT_FALSE(plan_path(90, 4096, 0x10000, 8, 264, true).narrow);
+  EXPECT_FALSE(plan_path(90, 4096, 512, 8, 264, false).narrow);
+  // overrides
+  EXPECT_TRUE(plan_path(90, 64, 512, 64, 264, true, PlanLaunch::kCooperative).cooperative);
+  EXPECT_FALSE(plan_path(90, 64, 512, 300, 264, true, PlanLaunch::kCooperative).cooperative);  // cannot fit
+  p = plan_path(90, 64, 2048, 64, 264, true, PlanLaunch::kTwo);
+  EXPECT_FALSE(p.cooperative);
+  EXPECT_FALSE(p.pdl);
+  EXPECT_TRUE(plan_path(90, 8, 512, 8, 264, true, PlanLaunch::kAuto, PlanHist::kNarrow).narrow);
+  EXPECT_FALSE(plan_path(90, 8, 512, 8, 264, false, PlanLaunch::kAuto, PlanHist::kNarrow).narrow);
+  EXPECT_FALSE(plan_path(90, 4096, 512, 8, 264, true, PlanLaunch::kAuto, PlanHist::kWide).narrow);
+}
+
+TEST(MoePath, RowMovement) {
+  using namespace detail::moe;
+  EXPECT_EQ(permute_path(1).k_group, 1);
+  EXPECT_FALSE(permute_path(2).streaming);
+  EXPECT_EQ(permute_path(2).k_group, 2);
+  EXPECT_TRUE(permute_path(4).streaming);
+  // unpermute: a warp a token at K <= 2 (8 vectors a lane from 256 vectors a row at K = 1)
+  EXPECT_EQ(unpermute_path(1, 255, true).kernel, UnpermuteKernel::kWarp);
+  EXPECT_EQ(unpermute_path(1, 255, true).chunk, 4);
+  EXPECT_EQ(unpermute_path(1, 256, true).chunk, 8);
+  EXPECT_EQ(unpermute_path(0, 16, false).kernel, UnpermuteKernel::kWarp);
+  EXPECT_EQ(unpermute_path(2, 512, true).k_group, 2);
+  EXPECT_EQ(unpermute_path(2, 512, true).chunk, 4);
+  EXPECT_EQ(unpermute_path(3, 512, true).kernel, UnpermuteKernel::kTile);
+  EXPECT_EQ(unpermute_path(8, 512, false).kernel, UnpermuteKernel::kFlat);
+  // backward
+  const int64_t big = int64_t(1) << 30;
+  EXPECT_EQ(unpermute_backward_path(100, 1, true), BwdKernel::kWarpToken);
+  EXPECT_EQ(unpermute_backward_path(100, 2, true), BwdKernel::kWarpEntry);
+  EXPECT_EQ(unpermute_backward_path(100, 8, true), BwdKernel::kTile);
+  EXPECT_EQ(unpermute_backward_path(100, 8, false), BwdKernel::kWarpEntry);
+  EXPECT_EQ(unpermute_backward_path(big, 2, false), BwdKernel::kGeneral);  // T * K = 2^31
+  EXPECT_EQ(unpermute_backward_path(big, 2, true), BwdKernel::kTile);
+  EXPECT_EQ(unpermute_backward_path(0, 0, false), BwdKernel::kGeneral);
+  EXPECT_EQ(unpermute_backward_path(100, 8, true, BwdForce::kGeneral), BwdKernel::kGeneral);
+  EXPECT_EQ(unpermute_backward_path(100, 8, false, BwdForce::kTile), BwdKernel::kGeneral);
+  EXPECT_EQ(unpermute_backward_path(100, 1, true, BwdForce::kTile), BwdKernel::kTile);
+  EXPECT_EQ(unpermute_backward_path(100, 8, true, BwdForce::kWarpEntry), BwdKernel::kWarpEntry);
+  EXPECT_EQ(unpermute_backward_path(100, 8, true, BwdForce::kWarpToken), BwdKernel::kTile);  // K = 1 only
+  EXPECT_EQ(unpermute_backward_path(100, 2, true, BwdForce::kWarpToken), BwdKernel::kWarpEntry);
+}
+
+TEST(MoePath, TileShape) {
+  using namespace detail::moe;
+  // unpermute, top-8 of 64 at H2048 bf16: a stage of 8 rows of 4 KB, 6 fit; one sequence, two producers
+  TileShape s = tile_shape(90, 8, 1000, 4096, 8 * 4096, 1);
+  EXPECT_EQ(s.stages, 6);
+  EXPECT_EQ(s.seqs, 1);
+  EXPECT_EQ(s.producers, 2);
+  // backward without dprobs at H2048: 16 stages (the cap) in 8 sequences, two producers
+  s = tile_shape(90, 4, 1000, 4096, 4096, kTileConsumers);
+  EXPECT_EQ(s.stages, 16);
+  EXPECT_EQ(s.seqs, 8);
+  EXPECT_EQ(s.producers, 2);
+  // three stages of 72 KB: three sequences of one stage, one producer
+  s = tile_shape(90, 8, 1000, 8192, 9 * 8192, kTileConsumers);
+  EXPECT_EQ(s.stages, 3);
+  EXPECT_EQ(s.seqs, 3);
+  EXPECT_EQ(s.producers, 1);
+  EXPECT_EQ(tile_shape(80, 8, 1000, 4096, 8 * 4096, 1).stages, 0);           // sm_90+ only
+  EXPECT_EQ(tile_shape(90, 9, 1000, 4096, 9 * 4096, 1).stages, 0);           // K > kTileMaxK
+  EXPECT_EQ(tile_shape(90, 4, 1000, 4104, 4 * 4104, 1).stages, 0);           // rows not of 16-byte vectors
+  EXPECT_EQ(tile_shape(90, 8, 1000, 16384, 8 * 16384, 1).stages, 0);         // fewer than two stages fit
+  EXPECT_EQ(tile_shape(90, 4, 0, 4096, 4096, 1).stages, 0);                  // no tokens
+}
+
 #ifdef MMFUSE_WITH_CUDA
 namespace {
 
@@ -209,7 +300,7 @@ INSTANTIATE_TEST_SUITE_P(PlanLaunches, MoeCudaPlan, ::testing::Values("auto", "c
 
 TEST_P(MoeCudaPlan, PlanEqualsCpu) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";
-  ScopedEnv env("MMFUSE_MOE_PLAN", GetParam());
+  ScopedOverride force("MMFUSE_MOE_PLAN", GetParam());
   std::mt19937_64 rng(test_seed());
   Stream st;
   int cases = 0;
@@ -226,7 +317,7 @@ TEST_P(MoeCudaPlan, PlanEqualsCpu) {
         for (int64_t num_out : {int64_t(0), T * K * 3 / 4}) {
           if (T > 100000 && num_out) continue;
           const char* const hist_mode = kHist[(cases / 3) % 3];  // crossed with the transposed ids (cases % 3)
-          ScopedEnv hist("MMFUSE_MOE_PLAN_HIST", hist_mode);
+          ScopedOverride hist("MMFUSE_MOE_PLAN_HIST", hist_mode);
           const Plan want = plan(ids, T, K, E, num_out);
           const DType it = (cases % 2) ? DType::kInt32 : DType::kInt64;
           const CudaPlan got = plan_cuda(ids, T, K, E, num_out, it, cases % 3 == 0, st.s, cases % 4 == 1 ? 1 : 0);
@@ -310,12 +401,12 @@ class MoeCudaRows : public ::testing::TestWithParam<const char*> {};
 
 // Every path of the backward (MMFUSE_MOE_BWD): auto (a warp a token at K = 1, a warp an entry at K = 2
 // and where the tile kernel does not apply), the token-tile kernel, the general block kernel, a warp a
-// token at K <= 8, a warp an entry.
+// token (K = 1), a warp an entry.
 INSTANTIATE_TEST_SUITE_P(BackwardPaths, MoeCudaRows, ::testing::Values("auto", "tile", "general", "warp", "entry"));
 
 TEST_P(MoeCudaRows, RowsEqualCpu) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";
-  ScopedEnv env("MMFUSE_MOE_BWD", GetParam());
+  ScopedOverride force("MMFUSE_MOE_BWD", GetParam());
   std::mt19937_64 rng(test_seed());
   Stream st;
   for (int64_t H : {1, 13, 64, 200, 2048})

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/numerics.h"
+#include "common/overrides.h"
 #include "mmfuse/common.h"
 
 #ifdef MMFUSE_WITH_CUDA
@@ -131,25 +132,16 @@ inline TensorView device_view(void* p, DType t, std::vector<int64_t> shape, std:
 }
 #endif
 
-// Sets an environment variable for the life of the object (the CUDA backends read their path knobs
-// at every call), then restores it.
-class ScopedEnv {
+// Sets a path override (common/overrides.h) for the life of the object, then back to auto.
+class ScopedOverride {
  public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_, old_.c_str(), 1);
-    else unsetenv(name_);
-  }
+  ScopedOverride(const char* name, const char* value) : name_(name) { set_path_override(name, value); }
+  ~ScopedOverride() { set_path_override(name_, "auto"); }
+  ScopedOverride(const ScopedOverride&) = delete;
+  ScopedOverride& operator=(const ScopedOverride&) = delete;
 
  private:
   const char* name_;
-  bool had_ = false;
-  std::string old_;
 };
 
 }  // namespace mmfuse::test

@@ -12,6 +12,7 @@ import torch
 
 import mmfuse
 from mmfuse import backend
+from mmfuse.bench.common import path_override
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -190,12 +191,14 @@ def test_cuda_bad_input_stops_with_a_message(call, message, bwd):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("K,E", [(1, 2), (2, 8), (4, 16)])
 # the backward's paths (MMFUSE_MOE_BWD: auto, a warp a token at K = 1, a warp an entry at K = 2; tile;
-# warp, a warp a token at every K here; entry, a warp an entry) with the unpermute's launches
-# (MMFUSE_MOE_UNPERMUTE: auto, a warp a token; resident warps)
-@pytest.mark.parametrize("bwd,unp", [("auto", "auto"), ("tile", "resident"), ("warp", "auto"), ("entry", "auto")])
-def test_cuda_equals_cpu_at_model_size(dtype, K, E, bwd, unp, monkeypatch):
-    monkeypatch.setenv("MMFUSE_MOE_BWD", bwd)
-    monkeypatch.setenv("MMFUSE_MOE_UNPERMUTE", unp)
+# warp, a warp a token at K = 1; entry, a warp an entry)
+@pytest.mark.parametrize("bwd", ["auto", "tile", "warp", "entry"])
+def test_cuda_equals_cpu_at_model_size(dtype, K, E, bwd):
+    with path_override("MMFUSE_MOE_BWD", bwd):
+        _cuda_equals_cpu_at_model_size(dtype, K, E)
+
+
+def _cuda_equals_cpu_at_model_size(dtype, K, E):
     g = torch.Generator().manual_seed(5)
     T, H = 4099, 2048 + 8  # odd T; rows of 16-byte vectors
     x = torch.randn(T, H, generator=g).to(dtype)
@@ -220,25 +223,27 @@ def test_cuda_equals_cpu_at_model_size(dtype, K, E, bwd, unp, monkeypatch):
     assert all(torch.equal(r[1], runs[0][1]) and torch.equal(r[0], runs[0][0]) for r in runs)  # deterministic
 
 
-@needs_gpu
-def test_path_knobs_reject_unknown_values(monkeypatch):
-    idx = torch.zeros(4, 1, dtype=torch.long, device="cuda")
-    monkeypatch.setenv("MMFUSE_MOE_PLAN", "grid")
+def test_path_overrides_reject_unknown_values():
     with pytest.raises(ValueError, match="MMFUSE_MOE_PLAN: expected auto, cooperative or two, got 'grid'"):
-        torch.ops.mmfuse.moe_plan(idx, 2, 0)
-    monkeypatch.delenv("MMFUSE_MOE_PLAN")
-    monkeypatch.setenv("MMFUSE_MOE_PLAN_HIST", "int16")
+        torch.ops.mmfuse._set_path_override("MMFUSE_MOE_PLAN", "grid")
     with pytest.raises(ValueError, match="MMFUSE_MOE_PLAN_HIST: expected auto, wide or narrow, got 'int16'"):
-        torch.ops.mmfuse.moe_plan(idx, 2, 0)
-    monkeypatch.delenv("MMFUSE_MOE_PLAN_HIST")
-    p = mmfuse.moe_permute(torch.randn(4, 8, device="cuda"), idx, 2)
-    monkeypatch.setenv("MMFUSE_MOE_BWD", "warps")
+        torch.ops.mmfuse._set_path_override("MMFUSE_MOE_PLAN_HIST", "int16")
     with pytest.raises(ValueError, match="MMFUSE_MOE_BWD: expected auto, tile, general, warp or entry, got 'warps'"):
-        torch.ops.mmfuse.moe_unpermute_backward(p.rows, p.rows, p.row_id_map, None)
-    monkeypatch.delenv("MMFUSE_MOE_BWD")
-    monkeypatch.setenv("MMFUSE_MOE_UNPERMUTE", "all")
-    with pytest.raises(ValueError, match="MMFUSE_MOE_UNPERMUTE: expected auto, resident or token, got 'all'"):
-        mmfuse.moe_unpermute(p.rows, p.row_id_map)
+        torch.ops.mmfuse._set_path_override("MMFUSE_MOE_BWD", "warps")
+    with pytest.raises(ValueError, match="name: expected one of MMFUSE_MOE_PLAN, MMFUSE_MOE_PLAN_HIST, MMFUSE_MOE_BWD"):
+        torch.ops.mmfuse._set_path_override("MMFUSE_MOE_UNPERMUTE", "auto")
+
+
+def test_path_override_from_the_environment_read_at_first_use():
+    """The environment variable is read once, at the first op: a bad value fails that op loudly."""
+    code = "import torch, mmfuse\nmmfuse.moe_permute(torch.randn(4, 8), torch.zeros(4, 1, dtype=torch.long), 2)\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), MMFUSE_MOE_BWD="warps"))
+    assert r.returncode == 0, r.stderr  # the CPU ops read no path override
+    code = "import torch, mmfuse\ntorch.ops.mmfuse._set_path_override('MMFUSE_MOE_PLAN', 'two')\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), MMFUSE_MOE_BWD="warps"))
+    assert r.returncode != 0 and "MMFUSE_MOE_BWD: expected auto, tile, general, warp or entry, got 'warps'" in r.stderr
 
 
 @needs_gpu

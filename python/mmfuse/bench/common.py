@@ -1,7 +1,6 @@
 """Timing and reporting helpers of the benchmark CLI: CUDA events, medians, the copy ceiling, tables."""
 
 import contextlib
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -52,40 +51,15 @@ def _sample(fn: Callable[[], object], device: str, cycles: int) -> float:
     return a.elapsed_time(b) * 1e3
 
 
-def paired_ratio(fn_a: Callable[[], object], fn_b: Callable[[], object], device: str, warmup: int = 5,
-                 iters: int = 30) -> tuple:
-    """time(fn_b) / time(fn_a) from `iters` pairs of samples (as time_us takes them) taken back to
-    back, in alternating order: the median ratio and the (min, max) of the pairs' ratios. Drift
-    between separate measurements (clocks, the machine) cancels within a pair, so a difference of a
-    percent or two between two paths shows in one run."""
-    ca, cb = _warm_up(fn_a, device, warmup), _warm_up(fn_b, device, warmup)
-    ratios = []
-    for i in range(iters):
-        if i % 2 == 0:
-            ta, tb = _sample(fn_a, device, ca), _sample(fn_b, device, cb)
-        else:
-            tb, ta = _sample(fn_b, device, cb), _sample(fn_a, device, ca)
-        ratios.append(tb / ta)
-    return statistics.median(ratios), (min(ratios), max(ratios))
-
-
 @contextlib.contextmanager
-def env(name: str, value: Optional[str]):
-    """Environment variable `name` set to `value` (None: unset) inside the block: the CUDA backends
-    read their path knobs (MMFUSE_DUAL_GEMM_PATH, _SCHEDULE, _EPILOGUE, MMFUSE_MOE_PLAN, _BWD, _UNPERMUTE)
-    at every call."""
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
+def path_override(name: str, value: Optional[str]):
+    """A CUDA path choice forced inside the block (``name``: MMFUSE_MOE_PLAN, MMFUSE_MOE_PLAN_HIST or
+    MMFUSE_MOE_BWD; None or "auto": the automatic rule), then back to auto."""
+    torch.ops.mmfuse._set_path_override(name, value or "auto")
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+        torch.ops.mmfuse._set_path_override(name, "auto")
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:

@@ -9,7 +9,7 @@ import torch
 
 import mmfuse
 
-from .common import Row, copy_bandwidth_gbs, env, print_table, time_us
+from .common import Row, copy_bandwidth_gbs, path_override, print_table, time_us
 
 try:  # the sweep's fan-out ceiling only
     import triton
@@ -171,13 +171,10 @@ def _case(name, T, H, K, E, device, quick, drop=None, skew=None, dt=torch.bfloat
 def _reserve_arena() -> None:
     """Reserves one segment of the caching allocator for every case's buffers (40 GiB, or 60 % of the
     free memory if less): allocated and freed at once, it stays cached and the cases' tensors are
-    cut from it. Without it, a case that follows the T64k top-8 case (whose PyTorch baseline leaves
-    ~28 GB of segments) got some buffers in small segments of their own, in which even a plain copy
-    ran ~13 points of copy slower: the two-expert case's ops read 72-80 % against 82-92 % when
-    first, its copy into a buffer of such a segment 80 % against 93 % (H100, 2026-12-06 07:51-07:54
-    UTC, two rounds; with the arena, or with expandable segments, the two-expert case read the
-    same after the top-8 case as first). The segments cached by what ran before (other families)
-    are released first, so that the cases' tensors cannot be fitted into them instead."""
+    cut from it. Without it, a case that follows one whose baseline leaves many segments gets some
+    buffers in small segments of their own, in which even a plain copy runs slower. The segments
+    cached by what ran before (other families) are released first, so that the cases' tensors cannot
+    be fitted into them instead."""
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     torch.empty(min(40 << 30, int(free * 0.6)), dtype=torch.uint8, device="cuda")
@@ -230,9 +227,8 @@ def _fanout_us(T, H, K, it):
 
 def sweep(quick: bool = True) -> None:
     """Every launch of the plan (MMFUSE_MOE_PLAN: auto, cooperative, two), every path of the backward
-    (MMFUSE_MOE_BWD: auto, tile, general, warp, entry) and both grids of the unpermute at K <= 2
-    (MMFUSE_MOE_UNPERMUTE: auto, resident) on the benchmark's cases and a few more, each output compared
-    bitwise with the default's, and the permute of the rows;
+    (MMFUSE_MOE_BWD: auto, tile, general, warp, entry) on the benchmark's cases and a few more, each
+    output compared bitwise with the default's, the unpermute and the permute of the rows;
     and a copy of the backward's own bytes, so that the fixed cost of a short launch shows next to the
     1 GiB copy ceiling that the percentages are of; and a streaming fan-out of the permute's rows (each
     read once, written K times contiguously), the ceiling of its traffic without the routing."""
@@ -260,7 +256,7 @@ def sweep(quick: bool = True) -> None:
         line, in_graph = [], []
         n = 20
         for mode in ("auto", "cooperative", "two"):
-            with env("MMFUSE_MOE_PLAN", mode):
+            with path_override("MMFUSE_MOE_PLAN", mode):
                 us, _ = time_us(lambda: ops.moe_plan(idx, E, num_out), "cuda", **it)
                 same = all(torch.equal(a, b) for a, b in zip(ops.moe_plan(idx, E, num_out), want))
                 try:  # (a launch that cannot be captured is reported, not fatal to the sweep)
@@ -271,7 +267,7 @@ def sweep(quick: bool = True) -> None:
             in_graph.append(f"{mode} {g}")
         # in a stream: n plans queued back to back (the launch of each hidden behind the one before),
         # the time a plan adds to a step, next to n one-element add_ launches; and n in a CUDA graph
-        with env("MMFUSE_MOE_PLAN", "auto"):
+        with path_override("MMFUSE_MOE_PLAN", "auto"):
             us, _ = time_us(lambda: [ops.moe_plan(idx, E, num_out) for _ in range(n)], "cuda", **it)
         line.append(f"auto, {n} back to back {us / n:.1f} a plan (add_ {floor_n_us / n:.1f})")
         line.append(f"{n} in a CUDA graph, a plan: " + " ".join(in_graph) + f" (add_ {floor_graph_us:.1f})")
@@ -284,7 +280,7 @@ def sweep(quick: bool = True) -> None:
         ref = ops.moe_unpermute_backward(dout, y, row_map, probs)
         line = []
         for mode in ("auto", "tile", "general", "warp", "entry"):
-            with env("MMFUSE_MOE_BWD", mode):
+            with path_override("MMFUSE_MOE_BWD", mode):
                 us, _ = time_us(lambda: ops.moe_unpermute_backward(dout, y, row_map, probs), "cuda", **it)
                 got = ops.moe_unpermute_backward(dout, y, row_map, probs)
             tag = "" if torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) else (
@@ -292,13 +288,8 @@ def sweep(quick: bool = True) -> None:
             line.append(f"{mode} {pct(nbytes, us):.1f}{tag}")
         print(f"sweep {name}: backward % of copy: " + ", ".join(line) +
               f" | a copy of the same {nbytes / 2 ** 20:.0f} MiB: {pct(nbytes, c_us):.1f}")
-        line = []
-        ref = mmfuse.moe_unpermute(y, row_map, probs)
-        for mode in ("auto", "resident"):
-            with env("MMFUSE_MOE_UNPERMUTE", mode):
-                u_us, _ = time_us(lambda: mmfuse.moe_unpermute(y, row_map, probs), "cuda", **it)
-                same = torch.equal(mmfuse.moe_unpermute(y, row_map, probs), ref)
-            line.append(f"{mode} {pct(nb['unpermute'], u_us):.1f}{'' if same else ' DIFFERS'}")
+        u_us, _ = time_us(lambda: mmfuse.moe_unpermute(y, row_map, probs), "cuda", **it)
+        line = [f"{pct(nb['unpermute'], u_us):.1f}"]
         p_us, _ = time_us(lambda: ops.moe_permute(dout, row_map, num_out), "cuda", **it)
         f_us, f_tag = _fanout_us(T, H, K, it)
         fan = f"{pct(T * H * 2 * (1 + K), f_us):.1f} ({f_tag})" if f_us else f_tag
@@ -333,7 +324,7 @@ def plans(reps: int = 3) -> None:
     warm-up each: a workload for a profiler (ncu --kernel-name regex:moe_)."""
     idx, _ = _routing(8192, 8, 64, "cuda", seed=0)
     for mode in ("auto", "cooperative", "two"):
-        with env("MMFUSE_MOE_PLAN", mode):
+        with path_override("MMFUSE_MOE_PLAN", mode):
             for _ in range(reps + 1):
                 torch.ops.mmfuse.moe_plan(idx, 64, idx.numel())
     torch.cuda.synchronize()

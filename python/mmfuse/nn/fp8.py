@@ -21,10 +21,7 @@ class Fp8Linear(torch.nn.Linear):
             the output gradient scaled by the maximum of their last ``history`` amaxes (one pass each;
             values past that range saturate; a fresh state is exact on its first call); ``"dynamic"``
             (the default with ``recipe="row"``): every tensor scaled by its own amax (exact range, one
-            extra read of x and of the gradient). w is always scaled dynamically. Measured on an H200
-            (fwd+bwd time over bf16, docs/benchmarks.md, 2026-12-03 18:18 and 18:36 UTC): 0.54-0.57 /
-            0.59-0.60 / 0.63-0.64 delayed against 0.55-0.59 / 0.62 / 0.66-0.67 dynamic at
-            16384x8192x8192 / 8192x4096x14336 / 8192x4096x4096.
+            extra read of x and of the gradient, so a little slower). w is always scaled dynamically.
         recipe: ``"tensor"`` (default) or ``"row"`` (a scale a row of every fp8 copy: more accurate;
             needs ``scaling="dynamic"``).
         history: length of the amax history (delayed scaling).

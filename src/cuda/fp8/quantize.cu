@@ -1,4 +1,5 @@
-// CUDA backend of the fp8 building blocks.
+// CUDA backend of fp8_quantize: row-major and transposed e4m3 / e5m2 copies of a tensor, with its
+// amax and scale on the device.
 //
 // Quantize: a grid of blocks walks tiles of x (padded extents). The per-tensor cast: 128 x 128 tiles,
 // a thread converts 16 contiguous values of a row at a time (fp32 multiply, round to nearest even,
@@ -14,23 +15,16 @@
 // too, but its blocks return at once unless the history is fresh (all zero), and the cast reads the
 // history at the start of every block and records this tensor's amax at the end of the same pass
 // (every block has read the history before it counts itself done, so the last block may rewrite it).
-//
-// GEMM: cuBLASLt, fp8 "TN": out^T [N, M] (column-major, leading dimension N) = b^T [N, Kp] x
-// a [Kp, M], with b as cuBLAS's A and a as its B; scales as device pointers (A scale = scale_b, B
-// scale = scale_a; per row: cuBLASLt's outer-vector mode), optional bf16 bias epilogue, fast
-// accumulation as asked. The heuristic's algorithm is cached per problem (bounded), descriptors live
-// on the stack per call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <tuple>
 
 #include "common/cuda_check.h"
-#include "cuda/cublaslt.h"
 #include "cuda/device_util.cuh"
+#include "backends/fp8.h"
 #include "mmfuse/fp8.h"
 
 namespace mmfuse {
@@ -39,8 +33,7 @@ namespace {
 
 constexpr int kTile = 64, kThreads = 256, kTileStride = kTile + 4;  // 68-byte rows: few bank conflicts
 // Blocks a job gets per SM (about 6 are resident: 40 registers a thread): more than fit, so that the
-// blocks that finish early pick up the rest. Swept on the H200 (2, 4, 8, 16; and a prefetch of the
-// next tile, which lost: 64 registers): 16 was best, 74 % of copy for one pass with both copies.
+// blocks that finish early pick up the rest (16 beat 2, 4 and 8).
 constexpr int kBlocksPerSm = 16;
 
 struct Job {
@@ -76,8 +69,8 @@ __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
 // Column, within its tile, of value e of the thread at tile offset tc (16 x its place j in the row,
 // 0..3). A thread's 16 values are the row's 16-byte runs j, j + 4, ... (V = 16 / sizeof(S) values a
 // run), so that each load instruction of a warp reads whole 32-byte sectors: 4 threads read 64
-// contiguous bytes of a row (16 contiguous values a thread left every sector half read by each of
-// two instructions, the second half to L1; measured on the H200: the same cast time either way).
+// contiguous bytes of a row (16 contiguous values a thread would leave every sector half read by each
+// of two instructions).
 template <class S>
 __device__ __forceinline__ int col16(int tc, int e) {
   constexpr int V = 16 / int(sizeof(S));
@@ -133,8 +126,6 @@ __device__ __forceinline__ void load_tile(const Job& jb, int64_t t, int tr, int 
 
 // Calls body(t, v) for the block's tiles t of jb in order, v = the thread's 16 values of tile t (zero
 // outside x). Called by the whole block (body may synchronise it: every thread walks the same tiles).
-// (Measured on the H200 and dropped: a per-thread pipeline of asynchronous copies into shared memory,
-// two tiles ahead: 2418 against 2771 GB/s for the one-pass cast in the same run.)
 template <class S, class Body>
 __device__ __forceinline__ void for_each_tile(const Job& jb, int tr, int tc, Body&& body) {
   float v[16];
@@ -284,14 +275,11 @@ __global__ void __launch_bounds__(kThreads) fp8_col_sums_kernel(const float* par
 // thread, 128-byte lines. qt's part: the tile's fp8 bytes through shared memory (128 rows x 32
 // words; the 16-byte group g of row r at g ^ ((r / 16) % 8), so that both phases are conflict-free),
 // then a thread transposes 4 x 4 byte blocks in registers and stores 16 rows of x of 4 of its
-// columns: 4 rows of qt, 16 bytes each, again whole lines.
-// (Measured on the H200 against the 64 x 64 tiles of the other kernels, 16384 x 8192 bf16 with both
-// copies: 143 against 170 us, 90 against 75 % of a copy.)
+// columns: 4 rows of qt, 16 bytes each, again whole lines (faster than the 64 x 64 tiles of the
+// other kernels).
 constexpr int kCastTile = 128, kCastWords = kCastTile / 4;
 // Raw bytes of x a thread holds for the look-ahead (at least one pass): bf16 / fp16 4 passes (64
 // registers), 2 with the column sums (whose extra registers then cost occupancy); fp32 half that.
-// Measured on the H200 (18:36 UTC run): 2 passes ahead 152.4 us for the 16384 x 8192 quantize, 4
-// passes 151.0; the gradient cast with column sums 131-148 us with 2, 134-152 with 4.
 template <bool kColSums>
 constexpr int kCastAheadBytes = kColSums ? 64 : 128;
 
@@ -619,60 +607,6 @@ void launch(const Fp8QuantJob* in, const int* idx, int n, bool amax_pass, cudaSt
     }
   });
 }
-
-// ---- GEMM ------------------------------------------------------------------------------------
-
-struct GemmKey {
-  int device;
-  DType ta, tb, tout;
-  int64_t m, n, k, ldo;
-  bool bias, accumulate, fast, vec;
-  uint32_t align_a, align_b, align_out;
-  size_t ws;
-  auto tie() const {
-    return std::make_tuple(device, int(ta), int(tb), int(tout), m, n, k, ldo, bias, accumulate, fast, vec, align_a,
-                           align_b, align_out, ws);
-  }
-  bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
-};
-
-using cuda::cuda_type;
-
-struct GemmDescs {
-  cublasLtMatmulDescOpaque_t desc;
-  cublasLtMatrixLayoutOpaque_t al, bl, cl;
-};
-
-void describe(const GemmKey& key, const void* scale_a, const void* scale_b, const void* bias, GemmDescs& d) {
-  MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescInit(&d.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t t = CUBLAS_OP_T, nn = CUBLAS_OP_N;
-  auto set = [&](cublasLtMatmulDescAttributes_t attr, const void* v, size_t size) {
-    MMFUSE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&d.desc, attr, v, size));
-  };
-  set(CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
-  set(CUBLASLT_MATMUL_DESC_TRANSB, &nn, sizeof(nn));
-  // cuBLAS's A is our b, its B our a
-  set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, sizeof(scale_b));
-  set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof(scale_a));
-  if (key.vec) {  // per row: one scale per row of out^T's rows (b's) and of its columns (a's rows)
-    const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-    set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof(mode));
-    set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof(mode));
-  }
-  const int8_t fast = key.fast ? 1 : 0;
-  set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast));
-  if (key.bias) {
-    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    const cudaDataType_t bt = CUDA_R_16BF;
-    set(CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
-    set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
-    set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt));
-  }
-  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d.al, cuda_type(key.tb), key.k, key.n, key.k));
-  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d.bl, cuda_type(key.ta), key.k, key.m, key.k));
-  MMFUSE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d.cl, cuda_type(key.tout), key.n, key.m, key.ldo));
-}
-
 }  // namespace
 
 void fp8_quantize_cuda(Fp8QuantJob* jobs, int n, cudaStream_t stream) {
@@ -692,52 +626,6 @@ void fp8_quantize_cuda(Fp8QuantJob* jobs, int n, cudaStream_t stream) {
     launch(jobs, all, 1, false, stream);
     launch(jobs, all + 1, 1, false, stream);
   }
-}
-
-void fp8_gemm_cuda(const TensorView& a, const TensorView& b, const TensorView& scale_a, const TensorView& scale_b,
-                   const TensorView& bias, TensorView& out, const Fp8GemmOptions& o, TensorView& ws,
-                   cudaStream_t stream) {
-  const int64_t m = a.shape[0], n = b.shape[0], k = a.shape[1];
-  if (m == 0 || n == 0) return;
-  const int64_t ldo = n;  // out is contiguous (checked)
-  if (k == 0) {  // an empty sum: zero, or the accumulator unchanged (a bias is rejected before)
-    if (!o.accumulate) MMFUSE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, size_t(m * n) * dtype_size(out.dtype), stream));
-    return;
-  }
-  MMFUSE_CHECK(cuda::alignment(a.data) >= 16 && cuda::alignment(b.data) >= 16 && cuda::alignment(out.data) >= 16,
-               "fp8_gemm: a, b and out must be 16-byte aligned");
-  GemmKey key{};
-  key.device = out.device.index;
-  key.ta = a.dtype;
-  key.tb = b.dtype;
-  key.tout = out.dtype;
-  key.m = m;
-  key.n = n;
-  key.k = k;
-  key.ldo = ldo;
-  key.bias = bias.defined();
-  key.accumulate = o.accumulate;
-  key.fast = o.fast_accum;
-  key.vec = scale_a.numel() != 1;
-  key.align_a = cuda::alignment(a.data);
-  key.align_b = cuda::alignment(b.data);
-  key.align_out = cuda::alignment(out.data);
-  key.ws = size_t(ws.shape[0]) * dtype_size(ws.dtype);
-  GemmDescs d;
-  describe(key, scale_a.data, scale_b.data, bias.defined() ? bias.data : nullptr, d);
-  const cublasLtHandle_t h = cuda::cublaslt_handle(key.device);
-  const cublasLtMatmulAlgo_t algo = cuda::AlgoCache<GemmKey>::get().find(key, [&] {
-    cublasLtMatmulAlgo_t chosen;
-    int st = 0;
-    const bool ok = cuda::cublaslt_first_algo(h, &d.desc, &d.al, &d.bl, &d.cl, &d.cl, key.ws,
-                                              {key.align_b, key.align_a, key.align_out, key.align_out}, &chosen, &st);
-    MMFUSE_CHECK(ok, "fp8_gemm: cuBLASLt has no algorithm for ", m, "x", n, "x", k, " (", dtype_name(a.dtype), " x ",
-                 dtype_name(b.dtype), " -> ", dtype_name(out.dtype), ", status ", st, ")");
-    return chosen;
-  });
-  const float alpha = 1.0f, beta = o.accumulate ? 1.0f : 0.0f;
-  MMFUSE_CUBLAS_CHECK(cublasLtMatmul(h, &d.desc, &alpha, b.data, &d.al, a.data, &d.bl, &beta, out.data, &d.cl,
-                                     out.data, &d.cl, &algo, ws.data, key.ws, stream));
 }
 
 }  // namespace detail

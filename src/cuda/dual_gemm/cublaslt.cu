@@ -1,5 +1,5 @@
-// CUDA backend of the dual-expert GEMM, first path: cuBLASLt. Each expert is one cublasLtMatmul on
-// the caller's stream. The heuristic's algorithm is chosen once per problem (shape, layout, dtypes,
+// CUDA backend of the dual-expert GEMM: cuBLASLt, one cublasLtMatmul an expert on the caller's
+// stream, the bigger product first. The heuristic's algorithm is chosen once per problem (shape, layout, dtypes,
 // pointer alignment, accumulate) and cached (bounded); the descriptors and layouts are initialised
 // in stack storage per call. A call after the first does no device query, no host-to-device copy and
 // no allocation (the workspace is the caller's).
@@ -14,9 +14,9 @@
 #include <tuple>
 
 #include "common/cuda_check.h"
-#include "common/env.h"
 #include "cuda/cublaslt.h"
-#include "cuda/dual_gemm_sm90.h"
+#include "cuda/dual_gemm/path.h"
+#include "backends/dual_gemm.h"
 #include "mmfuse/dual_gemm.h"
 
 namespace mmfuse {
@@ -106,55 +106,15 @@ void gemm_one(const TensorView& a, const TensorView& w, TensorView& out, const D
                                      out.data, &d.cl, &algo, ws, ws_bytes, stream));
 }
 
-// Whether the persistent kernel can take both problems: bf16 / fp16, an sm_90a build on an sm_90
-// device, and for each non-empty expert k >= 1, operands 16-byte aligned with 16-byte row strides
-// (TMA), sizes below 2^31.
-bool sm90_can_take(const Sm90Expert (&ex)[2], int device) {
-  const DType in = ex[0].a->dtype;
-  if (in != DType::kBFloat16 && in != DType::kFloat16) return false;
-  const int64_t limit = int64_t(1) << 31;
-  for (const Sm90Expert& x : ex) {
-    if (x.m == 0 || x.n == 0) continue;
-    if (x.k == 0 || x.m >= limit || x.n >= limit || x.k >= limit) return false;
-    for (const TensorView* v : {x.a, x.w}) {
-      const int64_t ld = std::max<int64_t>(v->stride[0], v->shape[1]);
-      if (reinterpret_cast<uintptr_t>(v->data) % 16 != 0 || (ld * 2) % 16 != 0) return false;
-    }
-  }
-  return sm90_dual_gemm_supported(device);
-}
-
-// The path of a call. MMFUSE_DUAL_GEMM_PATH=cublaslt or =persistent forces one (persistent only
-// where the kernel can take the problems), for tests and measurements; unset or auto: the shape
-// heuristic. Its measurements (docs/benchmarks.md): the persistent kernel at 0.32-0.91x of the
-// cuBLASLt path on 9 shape pairs x fwd / dX / dW (H200 2026-12-04 21:10); since the TMA epilogue and
-// the held epilogue half, on the benchmark's 12 GEMMs in three H100 runs (2026-12-05 21:28,
-// 2026-12-06 02:16 and 04:36, the last two from paired samples), 1.00-1.02x on 2 to 4 of them (only
-// the VLA down dW in all three) and 0.86-0.98x elsewhere. On the H200 (2026-12-06 06:37, one run)
-// it won the tiny-small and VLA down dW (0.963 and 0.976 of the cuBLASLt time) and lost the other
-// ten GEMMs by 1.2-7.9 %. No shape rule separates those wins from the losses yet: auto
-// stays cuBLASLt everywhere.
-enum class Path { kLibrary, kPersistent };
-Path choose_path(const Sm90Expert (&ex)[2], int device) {
-  const int forced = env_choice("dual_gemm", "MMFUSE_DUAL_GEMM_PATH", {"auto", "cublaslt", "persistent"});
-  if (forced == 2 && sm90_can_take(ex, device)) return Path::kPersistent;
-  return Path::kLibrary;  // cublaslt, auto (the table above), or operands the kernel cannot take
-}
-
 }  // namespace
 
 void dual_gemm_cuda(const TensorView& a0, const TensorView& w0, TensorView& out0, const TensorView& a1,
                     const TensorView& w1, TensorView& out1, const DualGemmOptions& o, TensorView& ws,
                     cudaStream_t stream) {
-  auto k_of = [&](const TensorView& a) { return o.trans_a ? a.shape[0] : a.shape[1]; };
-  const Sm90Expert ex[2] = {{&a0, &w0, &out0, out0.shape[0], out0.shape[1], k_of(a0)},
-                            {&a1, &w1, &out1, out1.shape[0], out1.shape[1], k_of(a1)}};
-  if (choose_path(ex, out0.device.index) == Path::kPersistent) return sm90_dual_gemm(ex, o, ws, stream);
   const size_t ws_bytes = size_t(ws.shape[0]) * dtype_size(ws.dtype);
   // the bigger product first: the small one's kernels start as the big one's last wave drains
-  const double f0 = double(ex[0].m) * double(ex[0].n) * double(ex[0].k);
-  const double f1 = double(ex[1].m) * double(ex[1].n) * double(ex[1].k);
-  if (f0 >= f1) {
+  if (!dual_gemm::second_first(out0.shape[0], out0.shape[1], o.trans_a ? a0.shape[0] : a0.shape[1], out1.shape[0],
+                    out1.shape[1], o.trans_a ? a1.shape[0] : a1.shape[1])) {
     gemm_one(a0, w0, out0, o, ws.data, ws_bytes, stream);
     gemm_one(a1, w1, out1, o, ws.data, ws_bytes, stream);
   } else {

@@ -1,0 +1,168 @@
+"""``mmfuse-bench report``: turns committed benchmark results (``docs/results/*.json``, the output of
+``mmfuse-bench --json`` on a GPU) into ``docs/benchmarks.md``: one current table per family and
+result file, and PNG plots (matplotlib) next to it. Nothing here measures; it only reads data."""
+
+import glob
+import json
+import os
+from typing import Callable, Dict, List, Optional, Tuple
+
+_FAMILIES = ("rope", "positions", "moe", "gemm", "fp8")
+
+
+def _f(v, fmt: str = "{:.1f}") -> str:
+    return "" if v is None else fmt.format(v)
+
+
+def _row_name(r: dict) -> str:
+    return r.get("name") or r.get("case") or ""
+
+
+# ---- each family's table: (title, header, rows, plot) --------------------------------------------
+# A plot is (title, x label, [(label, value)]) drawn as horizontal bars, or None.
+
+Plot = Optional[Tuple[str, str, List[Tuple[str, float]]]]
+
+
+def _bandwidth(fam: str, res: dict) -> Tuple[List[str], List[List[str]], Plot]:
+    """rope and moe: achieved bandwidth as % of the copy ceiling measured in the same run."""
+    copy = res.get("copy_gbs")
+    header = ["case", "µs", "GB/s", "% of copy", "speedup", "verified"]
+    rows, bars = [], []
+    for r in res.get("rows", []):
+        gbs = r["nbytes"] / (r["us"] * 1e-6) / 1e9 if r.get("nbytes") else None
+        pct = 100 * gbs / copy if gbs and copy else None
+        sp = f"{r['baseline_us'] / r['us']:.2f}x {r.get('baseline', '')}".strip() if r.get("baseline_us") else ""
+        rows.append([_row_name(r), _f(r["us"]), _f(gbs, "{:.0f}"), _f(pct), sp, r.get("verified", "")])
+        if pct is not None and r.get("verified") not in ("", None, "-"):
+            bars.append((_row_name(r), pct))
+    return header, rows, (f"{fam}: mmfuse's bandwidth, % of the copy ceiling", "% of copy", bars)
+
+
+def _positions(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
+    header = ["case", "device µs", "wall µs", "HF wall µs", "speedup", "syncs", "HF syncs", "verified"]
+    rows, bars = [], []
+    for r in res.get("rows", []):
+        sp = r["hf_wall_us"] / r["wall_us"] if r.get("hf_wall_us") else None
+        rows.append([r["case"], _f(r["device_us"]), _f(r["wall_us"]), _f(r.get("hf_wall_us"), "{:.0f}"),
+                     _f(sp, "{:.0f}x"), _f(r.get("syncs"), "{}"), _f(r.get("hf_syncs"), "{}"), r.get("verified", "")])
+        if sp:
+            bars.append((r["case"], sp))
+    return header, rows, ("positions: speedup over transformers (wall time)", "x transformers", bars)
+
+
+def _gemm(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
+    header = ["case", "GEMM", "µs", "2x cuBLAS µs", "TFLOP/s", "% of ideal", "speedup", "verified"]
+    rows, bars = [], []
+    for r in res.get("rows", []):
+        rows.append([r["case"], r["gemm"], _f(r["us"]), _f(r.get("two_cublas_us")), _f(r.get("tflops"), "{:.0f}"),
+                     _f(r.get("pct_ideal")), _f(r.get("speedup"), "{:.2f}x"), r.get("verified", "")])
+        if r.get("pct_ideal") is not None:
+            bars.append((f"{r['case'].split(':')[0]} {r['gemm']}", r["pct_ideal"]))
+    return header, rows, ("dual GEMM: % of ideal (both products at cuBLAS's rate on the big one)", "% of ideal", bars)
+
+
+def _fp8(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
+    header = ["shape (M x K x N)", "pass", "bf16 µs", "mmfuse µs", "share of bf16", "delayed", "auto", "cached w",
+              "torch fp8 compiled", "verified"]
+    rows, bars = [], []
+    for r in res.get("rows", []):
+        rows.append([r["shape"], r["pass_"], _f(r["bf16_us"]), _f(r["us"]), _f(r["share"], "{:.2f}"),
+                     _f(r.get("delayed_share"), "{:.2f}"), _f(r.get("auto_share"), "{:.2f}"),
+                     _f(r.get("cached_share"), "{:.2f}"), _f(r.get("torch_compiled_share"), "{:.2f}"),
+                     r.get("verified", "")])
+        share = r.get("auto_share") or r.get("share")
+        if r["pass_"] == "fwd+bwd" and share is not None:
+            bars.append((r["shape"], share))
+    for q in res.get("quantize", []):
+        rows.append([f"quantize 16384x8192, {q['mode']}", "", "", _f(q["us"]), "", "", "", "", "",
+                     "bitwise" if q.get("verified") else "FAIL"])
+    return header, rows, ("fp8 linear: fwd+bwd time as a share of bf16 (Fp8Linear as shipped; < 1 is faster)",
+                          "share of bf16 time", bars)
+
+
+_VIEWS: Dict[str, Callable[[dict], Tuple[List[str], List[List[str]], Plot]]] = {
+    "rope": lambda res: _bandwidth("rope", res),
+    "moe": lambda res: _bandwidth("moe", res),
+    "positions": _positions,
+    "gemm": _gemm,
+    "fp8": _fp8,
+}
+
+
+def _table(header: List[str], rows: List[List[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _plot(plot: Plot, path: str) -> bool:
+    """Horizontal bars of plot into path (PNG); False where there is nothing to draw."""
+    if not plot or not plot[2]:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    title, xlabel, bars = plot
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(bars) + 1.2))
+    labels = [b[0] for b in bars][::-1]
+    values = [b[1] for b in bars][::-1]
+    ax.barh(range(len(values)), values, color="#3b6ea5")
+    ax.set_yticks(range(len(values)), labels, fontsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    for i, v in enumerate(values):
+        ax.text(v, i, f" {v:.1f}" if v < 100 or "copy" in xlabel or "ideal" in xlabel else f" {v:.0f}",
+                va="center", fontsize=6)
+    if "transformers" in xlabel:
+        ax.set_xscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _stem(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def _header_line(h: dict) -> str:
+    keys = ("device", "driver", "torch", "cuda", "transformers", "commit", "date")
+    return ", ".join(f"{k} {h[k]}" for k in keys if h.get(k))
+
+
+def render(results_dir: str, out_md: str, plots_dir: Optional[str] = None) -> List[str]:
+    """Writes out_md (and the plots, in plots_dir: default <out_md's folder>/plots) from every
+    results_dir/*.json; returns the paths written."""
+    files = sorted(glob.glob(os.path.join(results_dir, "*.json")))
+    if not files:
+        raise SystemExit(f"mmfuse-bench report: no results in {results_dir} (run `mmfuse-bench --json FILE` on a GPU)")
+    plots_dir = plots_dir or os.path.join(os.path.dirname(out_md) or ".", "plots")
+    os.makedirs(plots_dir, exist_ok=True)
+    written = []
+    md = ["# Benchmarks", "",
+          "Generated by `mmfuse-bench report` from the committed results in "
+          f"`{os.path.relpath(results_dir, os.path.dirname(out_md) or '.')}/` (each the output of "
+          "`mmfuse-bench --json` on one GPU). Do not edit by hand: run the benchmark on a GPU, commit its "
+          "JSON, regenerate. Ratios are measured side by side in one run; absolute times vary between "
+          "machines. The reasoning behind each kernel is in `design/`.", ""]
+    for path in files:
+        with open(path) as f:
+            data = json.load(f)
+        h = data.get("header", {})
+        md += [f"## {h.get('device', _stem(path))}", "", _header_line(h) + ".", ""]
+        for fam in _FAMILIES:
+            if fam not in data:
+                continue
+            header, rows, plot = _VIEWS[fam](data[fam])
+            md += [f"### {fam}", ""]
+            png = os.path.join(plots_dir, f"{_stem(path)}-{fam}.png")
+            if _plot(plot, png):
+                written.append(png)
+                md += [f"![{fam}]({os.path.relpath(png, os.path.dirname(out_md) or '.')})", ""]
+            md += [_table(header, rows), ""]
+    with open(out_md, "w") as f:
+        f.write("\n".join(md))
+    written.append(out_md)
+    return written
