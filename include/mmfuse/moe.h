@@ -7,12 +7,9 @@
 // Workspaces are int32 buffers of the size the *_workspace_size functions give, owned by the caller
 // (the core allocates nothing); their contents need no initialisation and are scratch afterwards.
 //
-// CUDA paths, chosen per call (src/cuda/moe.cu says which and why); for tests and measurements the
-// environment forces one, read at every call: MMFUSE_MOE_PLAN=auto|cooperative|two (the plan's
-// launches), MMFUSE_MOE_BWD=auto|tile|general|warp|entry (the unpermute backward's kernel) and
-// MMFUSE_MOE_UNPERMUTE=auto|resident|token (the unpermute's grid at K <= 2). Any other value is an
-// error naming it. The plan's launches give the same bits, and so do the backward's kernels
-// for dy and, but for the general kernel (another fp32 summation order), for dprobs.
+// CUDA kernels are chosen per call by the shapes (src/cuda/moe/path.h; docs/design/moe.md says why);
+// every path gives the same bits, except dprobs of the general backward kernel (another fp32
+// summation order), which only calls past 2^31 entries take.
 #pragma once
 
 #include "mmfuse/common.h"

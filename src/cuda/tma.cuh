@@ -1,7 +1,6 @@
 // 1-D bulk copies (TMA, sm_90+) between global and shared memory, and the mbarriers they complete
-// on: the few PTX instructions the token-tile paths of rope.cu and moe.cu use (the dual GEMM's TMA
-// epilogue uses the bulk-group waits and the proxy fence). Callers compile their bodies only for
-// __CUDA_ARCH__ >= 900 and check kernel_arch() (or their sm_90a build) on the host.
+// on: the few PTX instructions the token-tile paths of rope.cu and moe/ use. Callers compile their
+// bodies only for __CUDA_ARCH__ >= 900 and check kernel_arch() (or their sm_90a build) on the host.
 #pragma once
 
 #include <cuda_runtime.h>
