@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "common/dispatch.h"
+#include "common/overlap.h"
 
 namespace mmfuse {
 namespace {
@@ -66,15 +67,6 @@ void broadcast_dim(TensorView& v, int d, int64_t want, const char* name, const c
 void check_device(const TensorView& v, Device want, const char* name, const char* op) {
   MMFUSE_CHECK(v.device == want, op, ": ", name, ": expected device ", device_name(want), ", got ",
                device_name(v.device));
-}
-
-// Byte range [lo, hi) touched by a view (strides may be negative in principle; ours are not).
-void byte_range(const TensorView& v, uintptr_t& lo, uintptr_t& hi) {
-  int64_t span = 0;
-  for (int i = 0; i < v.ndim; ++i)
-    if (v.shape[i] > 1) span += (v.shape[i] - 1) * v.stride[i];
-  lo = reinterpret_cast<uintptr_t>(v.data);
-  hi = lo + uintptr_t(span + 1) * dtype_size(v.dtype);
 }
 
 bool same_view(const TensorView& a, const TensorView& b) {

@@ -102,3 +102,23 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
         "bool need_db=False, bool dw_fp32=False, Tensor(b!)? main_grad=None, Tensor? x=None, bool per_row=False) "
         "-> (Tensor, Tensor, Tensor)");
 }
+
+// Residual add + RMSNorm (python/mmfuse/rms_norm.py; include/mmfuse/rms_norm.h): (out, h, rstd), h
+// [0, H] where neither a residual nor a grouped x makes one; the grouping (seq_len > 0) orders a
+// grouped tensor's rows by token type. rms_norm_backward: (dx, dresidual ([0, H] unless x_grouped),
+// dweight float32).
+TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
+  m.set_python_module("mmfuse.rms_norm");
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, int seq_len=0, int split=0, "
+        "bool x_grouped=False, bool out_grouped=False) -> (Tensor, Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor dout, Tensor? dh, Tensor h, Tensor rstd, Tensor weight, int seq_len=0, "
+        "int split=0, bool x_grouped=False, bool out_grouped=False) -> (Tensor, Tensor, Tensor)");
+}
+
+// SwiGLU on the fused [gate | up] layout (python/mmfuse/swiglu.py; include/mmfuse/swiglu.h):
+// swiglu_backward -> (d_gate_up, y recomputed: [0, I] unless recompute).
+TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
+  m.set_python_module("mmfuse.swiglu");
+  m.def("swiglu(Tensor gate_up) -> Tensor");
+  m.def("swiglu_backward(Tensor dy, Tensor gate_up, bool recompute=True) -> (Tensor, Tensor)");
+}

@@ -10,9 +10,12 @@ from . import fp8  # noqa: F401  (mmfuse.fp8.*)
 from .fp8 import fp8_gemm, fp8_linear, fp8_quantize
 from .moe import Permuted, moe_permute, moe_unpermute
 from .positions import WindowIndex, rope_index, rot_pos_emb, vision_positions, window_index
+from .rms_norm import rms_norm
 from .rope import mrope, mrope_, vision_rope
+from .swiglu import swiglu
 from . import nn  # noqa: E402  (modules; after the ops they use)
 
-__all__ = ["Permuted", "WindowIndex", "dual_gemm", "dual_gemm_out", "fp8_gemm", "fp8_linear", "fp8_quantize", "moe_permute", "moe_unpermute", "mrope", "mrope_", "rope_index", "rot_pos_emb",
+__all__ = ["Permuted", "WindowIndex", "dual_gemm", "dual_gemm_out", "fp8_gemm", "fp8_linear", "fp8_quantize",
+           "moe_permute", "moe_unpermute", "mrope", "mrope_", "rms_norm", "rope_index", "rot_pos_emb", "swiglu",
            "vision_positions", "vision_rope", "window_index"]
 __version__ = "0.1.0"

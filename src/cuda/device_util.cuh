@@ -7,9 +7,11 @@
 #include <cassert>
 #include <cuda/std/cassert>  // declares __assert_fail under NDEBUG too (MMFUSE_DEVICE_FAIL)
 #include <cstdio>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "common/cuda_check.h"
@@ -60,6 +62,30 @@ inline uint32_t alignment(const void* p) {
   uint32_t b = 256;
   while (b > 1 && a % b) b /= 2;
   return b;
+}
+
+// The widest access (bytes: 16, 8, 4, 2 or 1) dividing the row size and every row's base address and
+// stride (bytes).
+inline int vec_bytes(int64_t row_bytes, std::initializer_list<std::pair<const void*, int64_t>> rows) {
+  for (int b : {16, 8, 4, 2}) {
+    bool ok = row_bytes % b == 0;
+    for (const auto& [p, stride_bytes] : rows)
+      ok = ok && reinterpret_cast<uintptr_t>(p) % b == 0 && stride_bytes % b == 0;
+    if (ok) return b;
+  }
+  return 1;
+}
+
+// Calls f(std::integral_constant<int, b>) for an access width b from vec_bytes.
+template <class F>
+void dispatch_vec(int b, F&& f) {
+  switch (b) {
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
+  }
 }
 
 inline int current_device() {

@@ -237,14 +237,6 @@ TEST(MoePath, TileShape) {
 #ifdef MMFUSE_WITH_CUDA
 namespace {
 
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() {
-    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) throw std::runtime_error("stream");
-  }
-  ~Stream() { cudaStreamDestroy(s); }
-};
-
 // Random top-K routing: K distinct experts a token, skewed towards a few so some experts stay empty.
 std::vector<int64_t> random_ids(std::mt19937_64& rng, int64_t T, int64_t K, int64_t E) {
   std::vector<int64_t> ids(T * K), e(E);

@@ -122,6 +122,17 @@ struct DeviceBuffer {
   }
 };
 
+// A non-blocking stream for the life of the object (the ops under test never use the default stream).
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() {
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) throw std::runtime_error("stream");
+  }
+  ~Stream() { cudaStreamDestroy(s); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+
 // cos/sin of n fp32 angles with the device's sincosf (tests/cpp/cuda_helpers.cu); synchronizes.
 void device_sincosf(const float* angles, float* cos_out, float* sin_out, int64_t n);
 

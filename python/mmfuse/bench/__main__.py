@@ -1,9 +1,10 @@
 """mmfuse-bench: the benchmark CLI (the main job).
 
-    mmfuse-bench [rope] [positions] [moe] [gemm] [fp8] [--quick] [--json FILE]
+    mmfuse-bench [rope] [positions] [moe] [gemm] [fp8] [train] [--quick] [--json FILE] [train options]
     mmfuse-bench report [--results DIR] [--out FILE]
 
-On a GPU each family measures the copy (or GEMM) ceiling and each op against the best alternative in
+`train` is the training step of a VLA decoder stack, PyTorch against mmfuse (train.py). On a GPU
+each op family measures the copy (or GEMM) ceiling and each op against the best alternative in
 the same run, prints its tables and, with --json, writes the results (GPU, driver, versions, commit
 and date in a header) for `report`. On the CPU it checks agreement with the references only, at small
 sizes: CPU timings say nothing about the GPU kernels, so none are printed. `report` turns the
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 
-_FAMILIES = ["rope", "positions", "moe", "gemm", "fp8"]
+_FAMILIES = ["rope", "positions", "moe", "gemm", "fp8", "train"]
 
 
 def _commit() -> str:
@@ -65,7 +66,7 @@ def _agreement(fam: str, res: dict) -> list:
         v = r.get("verified")
         if v in (None, "", "-"):
             continue
-        name = r.get("name") or r.get("case") or r.get("shape", "")
+        name = r.get("name") or r.get("case") or r.get("shape") or r.get("variant", "")
         if "gemm" in r:
             name = f"{name} {r['gemm']}"
         if "pass_" in r:
@@ -78,8 +79,14 @@ def _run(args) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from . import fp8, gemm, moe, positions, rope
-    runners = {"rope": rope.run, "positions": positions.run, "moe": moe.run, "gemm": gemm.run, "fp8": fp8.run}
+    from . import fp8, gemm, moe, positions, rope, train
+
+    def run_train(dev, quick):
+        return train.run(dev, preset_name=args.preset, layers=args.layers, batch=args.batch, seq=args.seq,
+                         action=args.action, steps=args.steps, lr=args.lr, quick=quick)
+
+    runners = {"rope": rope.run, "positions": positions.run, "moe": moe.run, "gemm": gemm.run, "fp8": fp8.run,
+               "train": run_train}
     header = _header(device)
     print(f"mmfuse-bench on {header['device']} (torch {header['torch']}, CUDA {header['cuda']}, "
           f"commit {header['commit']})", flush=True)
@@ -130,6 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--json", default=None, help="also write the results as JSON to this file")
+    from .train import add_arguments
+    add_arguments(parser.add_argument_group("train"))
     args = parser.parse_args(argv)
     args.families = args.families or list(_FAMILIES)
     for fam in args.families:

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Callable, Dict, List, Optional, Tuple
 
-_FAMILIES = ("rope", "positions", "moe", "gemm", "fp8")
+_FAMILIES = ("train", "rope", "positions", "moe", "gemm", "fp8")
 
 
 def _f(v, fmt: str = "{:.1f}") -> str:
@@ -81,12 +81,34 @@ def _fp8(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
                           "share of bf16 time", bars)
 
 
+def _train(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
+    c = res.get("config", {})
+    header = ["variant", "ms/step", "tokens/s", "vs PyTorch eager", "vs PyTorch compiled", "peak extra GiB",
+              "x bound", "grad error", f"loss after {c.get('steps', '?')} steps (rel)", "verified"]
+    rows, bars = [], []
+    if res.get("bound_ms"):
+        rows.append(["bound: the step's GEMMs + attention alone", _f(res["bound_ms"], "{:.2f}"), "", "", "", "", "1.00",
+                     "", "", ""])
+        bars.append(("bound (GEMMs + attention)", res["bound_ms"]))
+    for r in res.get("rows", []):
+        rows.append([r["variant"], _f(r.get("ms"), "{:.2f}"), _f(r.get("tokens_per_s"), "{:.0f}"),
+                     _f(r.get("vs_eager"), "{:.2f}x"), _f(r.get("vs_compiled"), "{:.2f}x"), _f(r.get("peak_gib"), "{:.2f}"),
+                     _f(r.get("x_bound"), "{:.2f}"), _f(r.get("grad_err"), "{:.1e}"),
+                     f"{r['loss_last']:.5f} ({r['loss_rel']:.1e})", r.get("verified", "")])
+        if r.get("ms") is not None:
+            bars.append((r["variant"], r["ms"]))
+    title = (f"train: ms a step, preset {c.get('preset')} ({c.get('layers')} layers), batch {c.get('batch')} x "
+             f"{c.get('seq')}, {c.get('action')} action tokens a sample")
+    return header, rows, (title, "ms / step", bars)
+
+
 _VIEWS: Dict[str, Callable[[dict], Tuple[List[str], List[List[str]], Plot]]] = {
     "rope": lambda res: _bandwidth("rope", res),
     "moe": lambda res: _bandwidth("moe", res),
     "positions": _positions,
     "gemm": _gemm,
     "fp8": _fp8,
+    "train": _train,
 }
 
 
@@ -113,7 +135,7 @@ def _plot(plot: Plot, path: str) -> bool:
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=9)
     for i, v in enumerate(values):
-        ax.text(v, i, f" {v:.1f}" if v < 100 or "copy" in xlabel or "ideal" in xlabel else f" {v:.0f}",
+        ax.text(v, i, f" {v:.2f}" if v < 10 else f" {v:.1f}" if v < 100 or "%" in xlabel else f" {v:.0f}",
                 va="center", fontsize=6)
     if "transformers" in xlabel:
         ax.set_xscale("log")

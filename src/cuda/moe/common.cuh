@@ -99,27 +99,8 @@ __device__ __forceinline__ T load_ro(const T* p) {
   return v;
 }
 
-// The widest access (bytes) dividing every row's size, stride and base address.
-inline int vec_bytes(int64_t row_bytes, std::initializer_list<std::pair<const void*, int64_t>> rows) {
-  for (int b : {16, 8, 4, 2}) {
-    bool ok = row_bytes % b == 0;
-    for (const auto& [p, stride_bytes] : rows)
-      ok = ok && reinterpret_cast<uintptr_t>(p) % b == 0 && stride_bytes % b == 0;
-    if (ok) return b;
-  }
-  return 1;
-}
-
-template <class F>
-void dispatch_vec(int b, F&& f) {
-  switch (b) {
-    case 16: return f(std::integral_constant<int, 16>{});
-    case 8: return f(std::integral_constant<int, 8>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    default: return f(std::integral_constant<int, 1>{});
-  }
-}
+using cuda::dispatch_vec;
+using cuda::vec_bytes;
 
 // The first bad row_id_map entry a thread met. Threads skip bad entries (no out-of-bounds access)
 // and report at their end, so that the reporting call stays out of the hot loop's registers.

@@ -1,0 +1,50 @@
+// Torch implementation of SwiGLU and its backward (CPU and CUDA through the core). Autograd:
+// python/mmfuse/swiglu.py.
+#include <torch/library.h>
+
+#include "mmfuse/swiglu.h"
+#include "view.h"
+
+namespace mmfuse::torch_bind {
+namespace {
+
+using at::Tensor;
+
+int64_t rows_of(const Tensor& t) { return t.dim() == 2 ? t.size(0) : 0; }
+int64_t half_cols(const Tensor& t) { return t.dim() == 2 ? t.size(1) / 2 : 0; }
+
+Tensor swiglu_impl(const Tensor& gate_up_in) {
+  const Tensor gate_up = kernel_ready(gate_up_in);
+  Tensor out = at::empty({rows_of(gate_up), half_cols(gate_up)}, gate_up.options());
+  guarded("swiglu", [&] {
+    TensorView ov = view(out, "out");
+    c10::OptionalDeviceGuard g(gate_up.device());
+    swiglu(view(gate_up, "gate_up"), ov, current_stream(gate_up));
+  });
+  return out;
+}
+
+std::tuple<Tensor, Tensor> swiglu_backward_impl(const Tensor& dy_in, const Tensor& gate_up_in, bool recompute) {
+  const Tensor dy = kernel_ready(dy_in), gate_up = kernel_ready(gate_up_in);
+  const int64_t T = rows_of(gate_up), I = half_cols(gate_up);
+  Tensor dgu = at::empty({T, 2 * I}, gate_up.options());
+  Tensor y = at::empty({recompute ? T : 0, I}, gate_up.options());
+  guarded("swiglu_backward", [&] {
+    TensorView dv = view(dgu, "d_gate_up"), yv = recompute ? view(y, "y") : TensorView{};
+    c10::OptionalDeviceGuard g(gate_up.device());
+    swiglu_backward(view(dy, "dy"), view(gate_up, "gate_up"), dv, yv, current_stream(gate_up));
+  });
+  return {dgu, y};
+}
+
+void register_swiglu(torch::Library& m) {
+  m.impl("swiglu", &swiglu_impl);
+  m.impl("swiglu_backward", &swiglu_backward_impl);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mmfuse, CPU, m) { register_swiglu(m); }
+TORCH_LIBRARY_IMPL(mmfuse, CUDA, m) { register_swiglu(m); }
+
+}  // namespace mmfuse::torch_bind

@@ -1,0 +1,222 @@
+"""``mmfuse-bench train``: the training step of a VLA mixture-of-transformers decoder stack, the PyTorch
+reference (``vla_reference.py``, HF-style) against the same model on mmfuse (``mmfuse.nn.vla``, the same
+weights), eager and ``torch.compile``, in one run.
+
+Columns: ms a step (forward + backward of the regression loss, gradients set to None first, as a
+training loop does), tokens/s, the speedup over each PyTorch variant, the peak memory a step adds to
+what the weights, gradients and batch hold, the time as a multiple of the **bound** (the step's own
+GEMMs and attention kernels alone, back to back at its shapes, measured in the same run), and
+agreement with PyTorch eager: the largest relative gradient error of a parameter group at the first
+step, and the loss after ``--steps`` AdamW steps from the same weights on the same batch.
+
+On the CPU: the ``tiny`` preset in fp32, eager only, agreement only (CPU timings say nothing about
+the GPU)."""
+
+import argparse
+import math
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ..nn.vla import VLADecoder
+from .common import time_us
+from .vla_reference import Batch, VLAConfig, VLAReference, init_weights, make_batch, preset, type_indices
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out.float() - target).pow(2).mean()
+
+
+class _Variant:
+    """One model of the comparison: its forward on the batch and its parameters."""
+
+    def __init__(self, name: str, model: torch.nn.Module, forward: Callable[[], torch.Tensor], grads):
+        self.name, self.model, self.forward, self.grads = name, model, forward, grads
+
+    def step(self, target) -> torch.Tensor:
+        for p in self.model.parameters():
+            p.grad = None
+        loss = _loss(self.forward(), target)
+        loss.backward()
+        return loss
+
+
+def _variants(cfg: VLAConfig, batch: Batch, device, dtype, compiled: bool) -> List[_Variant]:
+    ref = VLAReference(cfg)
+    init_weights(ref, seed=0)
+    ref = ref.to(device, dtype)
+    idx_vl, idx_act = type_indices(batch)
+    ours = VLADecoder(cfg, device=device, dtype=dtype)
+    ours.load_reference(ref.state_dict())
+    ref_grads = lambda m: {n: p.grad for n, p in m.named_parameters()}  # noqa: E731
+    out = [_Variant("PyTorch eager", ref, lambda: ref(batch.embeds, batch.positions, idx_vl, idx_act),
+                    lambda: ref_grads(ref))]
+    if compiled:
+        ref_c = torch.compile(ref)
+        out.append(_Variant("PyTorch compiled", ref, lambda: ref_c(batch.embeds, batch.positions, idx_vl, idx_act),
+                            lambda: ref_grads(ref)))
+    out.append(_Variant("mmfuse eager", ours, lambda: ours(batch.embeds, batch.positions, batch.action),
+                        ours.reference_grads))
+    if compiled:
+        ours_c = torch.compile(ours)
+        out.append(_Variant("mmfuse compiled", ours, lambda: ours_c(batch.embeds, batch.positions, batch.action),
+                            ours.reference_grads))
+    return out
+
+
+def _group(name: str) -> str:
+    """A parameter's group: the norms, q/k/v, o, each expert, the final norm."""
+    if name == "norm.weight":
+        return "final norm"
+    for key, group in (("layernorm", "norms"), ("q_proj", "q/k/v"), ("k_proj", "q/k/v"), ("v_proj", "q/k/v"),
+                       ("o_proj", "o"), ("mlp.vl.", "VL expert"), ("mlp.action.", "action expert")):
+        if key in name:
+            return group
+    return name
+
+
+def _grad_errors(ref: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """||got - ref|| / ||ref|| of each parameter group (fp64 sums)."""
+    num: Dict[str, float] = {}
+    den: Dict[str, float] = {}
+    for name, r in ref.items():
+        g = got[name]
+        k = _group(name)
+        num[k] = num.get(k, 0.0) + float((g.double() - r.double()).pow(2).sum())
+        den[k] = den.get(k, 0.0) + float(r.double().pow(2).sum())
+    return {k: math.sqrt(num[k] / max(den[k], 1e-300)) for k in num}
+
+
+def _train_losses(v: _Variant, target, steps: int, lr: float) -> List[float]:
+    """The loss at every step of `steps` AdamW steps from the variant's current weights (restored after)."""
+    saved = {n: p.detach().clone() for n, p in v.model.named_parameters()}
+    opt = torch.optim.AdamW(v.model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        losses.append(float(v.step(target).detach()))
+        opt.step()
+    with torch.no_grad():
+        for n, p in v.model.named_parameters():
+            p.copy_(saved[n])
+            p.grad = None
+    return losses
+
+
+def _bound_us(cfg: VLAConfig, batch: Batch, device, dtype, iters: int) -> float:
+    """The step's GEMMs (forward, dX and dW of every projection and expert) and attention (SDPA forward
+    and backward) back to back at its shapes, without anything between them: a layer's time x layers."""
+    B, L = batch.shape
+    T, A = B * L, batch.action
+    T0, T1 = B * (L - A), B * A
+    h, d = cfg.hidden, cfg.head_dim
+    g = torch.Generator(device=device).manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, device=device, dtype=dtype, generator=g)  # noqa: E731
+    # (m, k, n) of each forward GEMM: y [m, n] = x [m, k] @ w^T
+    shapes = [(T, h, (cfg.heads + 2 * cfg.kv_heads) * d), (T, cfg.heads * d, h), (T0, h, 2 * cfg.inter_vl),
+              (T1, h, 2 * cfg.inter_action), (T0, cfg.inter_vl, h), (T1, cfg.inter_action, h)]
+    ops = []
+    for m, k, n in shapes:
+        x, w, dy = rnd(m, k), rnd(n, k), rnd(m, n)
+        ops += [lambda x=x, w=w: x @ w.t(), lambda dy=dy, w=w: dy @ w, lambda dy=dy, x=x: dy.t() @ x]
+    q = rnd(B, cfg.heads, L, d).requires_grad_()
+    k = rnd(B, cfg.kv_heads, L, d).requires_grad_()
+    v = rnd(B, cfg.kv_heads, L, d).requires_grad_()
+    do = rnd(B, cfg.heads, L, d)
+
+    def attention():
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.autograd.grad(o, (q, k, v), do)
+
+    ops.append(attention)
+    us, _ = time_us(lambda: [op() for op in ops], device, iters=iters)
+    return us * cfg.layers
+
+
+def _peak_extra_bytes(v: _Variant, target, device) -> int:
+    for p in v.model.parameters():
+        p.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    v.step(target)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, batch: int = 4, seq: int = 4096,
+        action: int = 256, steps: int = 50, lr: float = 1e-4, quick: bool = False) -> dict:
+    on_gpu = device == "cuda"
+    if not on_gpu:
+        preset_name, batch, seq, action, steps = "tiny", 2, 48, 12, min(steps, 5)
+    cfg = preset(preset_name, layers=layers)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    data = make_batch(cfg, batch, seq, action, device, dtype, seed=0)
+    B, L = data.shape
+    print(f"\n## train: VLA MoT decoder, preset {preset_name} ({cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads}/"
+          f"{cfg.kv_heads} heads, experts {cfg.inter_vl} / {cfg.inter_action}), batch {B} x {L}, {action} action "
+          f"tokens a sample, {str(dtype).replace('torch.', '')}", flush=True)
+    variants = _variants(cfg, data, device, dtype, compiled=on_gpu)
+    # agreement first, from the initial weights: gradients, then the losses of a short training run
+    first = variants[0]
+    first.step(data.target)
+    ref_grads = {n: g.detach().clone() for n, g in first.grads().items()}
+    rows = []
+    ref_losses = None
+    for v in variants:
+        t0 = time.perf_counter()
+        v.step(data.target)
+        errs = _grad_errors(ref_grads, v.grads())
+        losses = _train_losses(v, data.target, steps, lr)
+        if ref_losses is None:
+            ref_losses = losses
+        rows.append(dict(variant=v.name, grad_err=max(errs.values()), grad_errs=errs, loss_first=losses[0],
+                         loss_last=losses[-1], loss_rel=abs(losses[-1] - ref_losses[-1]) / abs(ref_losses[-1]),
+                         agreement_s=time.perf_counter() - t0))
+        print(f"  {v.name}: agreement checked ({rows[-1]['agreement_s']:.0f} s)", flush=True)
+    bound = None
+    if on_gpu:
+        it = dict(iters=5 if quick else 20)
+        bound = _bound_us(cfg, data, device, dtype, it["iters"]) / 1e3
+        for v, row in zip(variants, rows):
+            ms = time_us(lambda: v.step(data.target), device, warmup=3, iters=it["iters"])[0] / 1e3
+            row.update(ms=ms, tokens_per_s=B * L / (ms * 1e-3), peak_gib=_peak_extra_bytes(v, data.target, device) / 2 ** 30,
+                       x_bound=ms / bound)
+            print(f"  {v.name}: timed", flush=True)
+        base = {r["variant"]: r for r in rows}
+        for r in rows:
+            r["vs_eager"] = base["PyTorch eager"]["ms"] / r["ms"]
+            r["vs_compiled"] = base["PyTorch compiled"]["ms"] / r["ms"]
+            r["mem_vs_eager"] = r["peak_gib"] / base["PyTorch eager"]["peak_gib"]
+        hdr = (f"| {'variant':<18} | {'ms/step':>8} | {'tokens/s':>9} | {'vs eager':>8} | {'vs compiled':>11} | "
+               f"{'peak GiB':>8} | {'x bound':>7} | {'grad err':>8} | loss after {steps} (rel) |")
+        print(hdr)
+        print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
+        print(f"| {'bound (GEMMs + attn)':<18} | {bound:8.2f} | {B * L / (bound * 1e-3):9.0f} | {'':>8} | {'':>11} | "
+              f"{'':>8} | {1.0:7.2f} | {'':>8} | |")
+        for r in rows:
+            print(f"| {r['variant']:<18} | {r['ms']:8.2f} | {r['tokens_per_s']:9.0f} | {r['vs_eager']:7.2f}x | "
+                  f"{r['vs_compiled']:10.2f}x | {r['peak_gib']:8.2f} | {r['x_bound']:7.2f} | {r['grad_err']:8.1e} | "
+                  f"{r['loss_last']:.5f} ({r['loss_rel']:.1e}) |")
+    else:
+        for r in rows:
+            print(f"  {r['variant']:<18} gradient error (worst group) {r['grad_err']:.1e}; loss after {steps} steps "
+                  f"{r['loss_last']:.6f} (rel. to PyTorch eager {r['loss_rel']:.1e})")
+    # agreement: bf16 kernels round differently from PyTorch's, fp32 ones barely
+    grad_tol, loss_tol = (5e-2, 1e-2) if on_gpu else (1e-4, 1e-5)
+    ok = all(r["grad_err"] <= grad_tol and r["loss_rel"] <= loss_tol for r in rows)
+    for r in rows:
+        r["verified"] = "close" if r["grad_err"] <= grad_tol and r["loss_rel"] <= loss_tol else "FAIL"
+    return dict(config=dict(preset=preset_name, layers=cfg.layers, batch=B, seq=L, action=action, steps=steps, lr=lr,
+                            dtype=str(dtype)),
+                bound_ms=bound, rows=rows, all_verified=ok)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="3b", help="3b (default), 7b or tiny")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's, 4)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096, help="tokens a sample")
+    p.add_argument("--action", type=int, default=256, help="action tokens a sample (its last ones)")
+    p.add_argument("--steps", type=int, default=50, help="AdamW steps of the loss agreement check")
+    p.add_argument("--lr", type=float, default=1e-4)

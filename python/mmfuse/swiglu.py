@@ -1,0 +1,57 @@
+"""SwiGLU on the fused gate/up layout: ``silu(gate) * up`` from one ``[..., 2I]`` tensor (the output of
+one GEMM against the stacked ``[gate; up]`` weights), fp32 math rounded once, and a backward that
+recomputes the activation instead of storing it. Contract: ``include/mmfuse/swiglu.h``.
+"""
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from . import _lib  # noqa: F401  (registers the ops)
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    r"""``y = silu(gate) * up`` where ``gate = gate_up[..., :I]`` and ``up = gate_up[..., I:]``.
+
+    Args:
+        gate_up: ``[..., 2I]`` bf16, fp16 or fp32 (fp64 on the CPU); any strides (a contiguous last dim
+            reads fastest).
+
+    Returns:
+        ``[..., I]`` in gate_up's dtype. Differentiable; the backward saves only ``gate_up``.
+    """
+    shape = gate_up.shape
+    y = torch.ops.mmfuse.swiglu(gate_up.reshape(-1, shape[-1]))
+    return y.view(*shape[:-1], shape[-1] // 2)
+
+
+def swiglu_backward(dy: Tensor, gate_up: Tensor, recompute: bool = True) -> Tuple[Tensor, Tensor]:
+    """``(d_gate_up, y)``: the gradient of :func:`swiglu` for 2-D ``dy [T, I]`` and ``gate_up [T, 2I]``,
+    and (``recompute``) the forward's output again, bit for bit (else an empty ``[0, I]``)."""
+    return torch.ops.mmfuse.swiglu_backward(dy, gate_up, recompute)
+
+
+@torch.library.register_fake("mmfuse::swiglu")
+def _swiglu_fake(gate_up):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
+@torch.library.register_fake("mmfuse::swiglu_backward")
+def _swiglu_backward_fake(dy, gate_up, recompute=True):
+    T, two_i = gate_up.shape
+    return gate_up.new_empty(T, two_i), gate_up.new_empty(T if recompute else 0, two_i // 2)
+
+
+def _setup_context(ctx, inputs, output):
+    (gate_up,) = inputs
+    ctx.save_for_backward(gate_up)
+
+
+def _backward(ctx, dy):
+    (gate_up,) = ctx.saved_tensors
+    d_gate_up, _ = torch.ops.mmfuse.swiglu_backward(dy, gate_up, False)
+    return d_gate_up
+
+
+torch.library.register_autograd("mmfuse::swiglu", _backward, setup_context=_setup_context)

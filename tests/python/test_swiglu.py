@@ -1,0 +1,99 @@
+"""SwiGLU on the fused gate/up layout against the compiled-PyTorch formula (fp32 math, one rounding) and a
+float64 reference; gradcheck; the recomputed activation equal to the forward's; opcheck, torch.compile,
+CUDA graphs, CUDA against the CPU; bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mmfuse
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def _ref(gate_up):
+    g, u = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(g) * u).to(gate_up.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(7, 2 * 13), (3, 5, 2 * 2752), (64, 2 * 11008)])
+def test_matches_formula_and_grad(device, dtype, shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    gu = (3 * torch.randn(shape, generator=g)).to(device, dtype).requires_grad_()
+    y = mmfuse.swiglu(gu)
+    want = _ref(gu.detach())
+    # one rounding of the dtype; for fp32 the few fp32 operations of both sides (about 6 roundings each)
+    ulp = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2 ** -20}[dtype]
+    sub = 2.0 ** -24 if dtype == torch.float16 else 1e-30  # a rounding's absolute error among subnormals
+    assert ((y.float() - want.float()).abs() <= ulp * want.float().abs() + sub).all()
+    dy = torch.randn(y.shape, generator=g).to(device, dtype)
+    (got,) = torch.autograd.grad(y, gu, dy)
+    gd = gu.detach().double().requires_grad_()
+    (want_g,) = torch.autograd.grad(_ref(gd), gd, dy.double())
+    g_, u_ = gu.detach().double().chunk(2, dim=-1)
+    scale = torch.cat([(dy.double() * u_).abs(), (dy.double() * g_).abs()], dim=-1)  # bounds of |dgate|, |dup|
+    assert ((got.double() - want_g).abs() <= ulp * want_g.abs() + 2 ** -20 * scale + sub).all()
+
+
+def test_gradcheck_float64_cpu():
+    gu = torch.randn(9, 14, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(mmfuse.swiglu, (gu,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_recomputes_the_forward_bits_and_reads_strided_rows(device):
+    g = torch.Generator().manual_seed(2)
+    big = torch.randn(33, 2 * 100 + 6, generator=g).to(device, torch.bfloat16)
+    gu = big[:, :200]  # padded rows
+    y = mmfuse.swiglu(gu)
+    from mmfuse.swiglu import swiglu_backward
+    dgu, y2 = swiglu_backward(torch.ones_like(y), gu, True)
+    assert torch.equal(y, y2)
+    assert dgu.shape == gu.shape
+    assert torch.equal(mmfuse.swiglu(gu.contiguous()), y)
+
+
+def test_opcheck_and_compile():
+    gu = torch.randn(10, 24, requires_grad=True)
+    torch.library.opcheck(torch.ops.mmfuse.swiglu.default, (gu,))
+    torch.library.opcheck(torch.ops.mmfuse.swiglu_backward.default, (torch.randn(10, 12), gu.detach(), True))
+    fn = torch.compile(mmfuse.swiglu, fullgraph=True)
+    assert torch.equal(fn(gu), mmfuse.swiglu(gu))
+
+
+@needs_gpu
+def test_cuda_matches_cpu_and_graph_capture():
+    g = torch.Generator().manual_seed(3)
+    gu = torch.randn(1000, 2 * 2752, generator=g).bfloat16()
+    want = mmfuse.swiglu(gu)
+    gd = gu.cuda()
+    got = mmfuse.swiglu(gd)
+    assert ((got.cpu().float() - want.float()).abs() <= 2 ** -8 * want.float().abs() + 1e-6).all()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            mmfuse.swiglu(gd)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = mmfuse.swiglu(gd)
+            dgu, y2 = torch.ops.mmfuse.swiglu_backward(y, gd, True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, got) and torch.equal(y2, got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(device):
+    with pytest.raises(ValueError, match="expected an even number of columns"):
+        mmfuse.swiglu(torch.randn(3, 5, device=device))
+    with pytest.raises(ValueError, match=r"dy: expected shape \[3, 4\], got \[3, 5\]"):
+        torch.ops.mmfuse.swiglu_backward(torch.randn(3, 5, device=device), torch.randn(3, 8, device=device), True)
