@@ -1,6 +1,7 @@
 """mmfuse-bench: the benchmark CLI (the main job).
 
-    mmfuse-bench [rope] [positions] [moe] [gemm] [fp8] [train] [--quick] [--json FILE] [train options]
+    mmfuse-bench [rope] [positions] [moe] [gemm] [fp8] [rms_norm] [swiglu] [train] [--quick] [--json FILE]
+                 [train options]
     mmfuse-bench report [--results DIR] [--out FILE]
 
 `train` is the training step of a VLA decoder stack, PyTorch against mmfuse (train.py). On a GPU
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import time
 
-_FAMILIES = ["rope", "positions", "moe", "gemm", "fp8", "train"]
+_FAMILIES = ["rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu", "train"]
 
 
 def _commit() -> str:
@@ -79,14 +80,14 @@ def _run(args) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from . import fp8, gemm, moe, positions, rope, train
+    from . import fp8, gemm, moe, positions, rms_norm, rope, swiglu, train
 
     def run_train(dev, quick):
         return train.run(dev, preset_name=args.preset, layers=args.layers, batch=args.batch, seq=args.seq,
                          action=args.action, steps=args.steps, lr=args.lr, quick=quick)
 
     runners = {"rope": rope.run, "positions": positions.run, "moe": moe.run, "gemm": gemm.run, "fp8": fp8.run,
-               "train": run_train}
+               "rms_norm": rms_norm.run, "swiglu": swiglu.run, "train": run_train}
     header = _header(device)
     print(f"mmfuse-bench on {header['device']} (torch {header['torch']}, CUDA {header['cuda']}, "
           f"commit {header['commit']})", flush=True)

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Callable, Dict, List, Optional, Tuple
 
-_FAMILIES = ("train", "rope", "positions", "moe", "gemm", "fp8")
+_FAMILIES = ("train", "rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu")
 
 
 def _f(v, fmt: str = "{:.1f}") -> str:
@@ -105,6 +105,8 @@ def _train(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
 _VIEWS: Dict[str, Callable[[dict], Tuple[List[str], List[List[str]], Plot]]] = {
     "rope": lambda res: _bandwidth("rope", res),
     "moe": lambda res: _bandwidth("moe", res),
+    "rms_norm": lambda res: _bandwidth("rms_norm", res),
+    "swiglu": lambda res: _bandwidth("swiglu", res),
     "positions": _positions,
     "gemm": _gemm,
     "fp8": _fp8,

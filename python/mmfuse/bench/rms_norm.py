@@ -1,0 +1,76 @@
+"""``mmfuse-bench rms_norm``: residual add + RMSNorm at the VLA step's shapes (bf16; T = 16384 tokens of
+hidden 2048 and 3584), forward and backward, against HF's code in eager PyTorch and under
+torch.compile, with the copy ceiling of the same run. Bytes: forward reads x and the residual, writes
+the normalized rows and h; backward reads dout, dh and h, writes dx (and the weight gradient)."""
+
+import torch
+
+import mmfuse
+
+from .common import Row, copy_bandwidth_gbs, print_table, time_us
+
+
+def _hf(x, res, w, eps=1e-6):
+    h = res + x
+    hs = h.float()
+    hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + eps)
+    return w * hs.to(h.dtype), h
+
+
+def _rows(T, H, device, quick):
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(H)
+    x = torch.randn(T, H, device=device, dtype=dt, generator=g)
+    res = torch.randn(T, H, device=device, dtype=dt, generator=g)
+    w = 1 + 0.1 * torch.randn(H, device=device, dtype=dt, generator=g)
+    dout, dh = torch.randn_like(x), torch.randn_like(x)
+    it = dict(iters=10 if quick else 30)
+    es = x.element_size()
+    fwd_bytes, bwd_bytes = 4 * T * H * es, 4 * T * H * es
+    hf_c = torch.compile(_hf)
+    out, h, rstd = torch.ops.mmfuse.rms_norm(x, res, w, 1e-6)
+    want_out, want_h = _hf(x, res, w)
+    close = torch.equal(h, want_h) and bool(((out.float() - want_out.float()).abs()
+                                             <= 2 ** -7 * want_out.float().abs() + 2 ** -6).all())
+    verdict = "close" if close else "FAIL"
+
+    def hf_fb(fn):
+        xs, rs, ws = (t.detach().requires_grad_() for t in (x, res, w))
+
+        def step():
+            o, hh = fn(xs, rs, ws)
+            torch.autograd.grad((o, hh), (xs, rs, ws), (dout, dh))
+        return step
+
+    rows = []
+    tag = f"T{T} H{H}"
+    t_e, s_e = time_us(lambda: _hf(x, res, w), device, **it)
+    t_c, s_c = time_us(lambda: hf_c(x, res, w), device, **it)
+    t_o, s_o = time_us(lambda: torch.ops.mmfuse.rms_norm(x, res, w, 1e-6), device, **it)
+    rows += [Row(f"{tag} fwd  HF eager", t_e, s_e, fwd_bytes), Row(f"{tag} fwd  HF torch.compile", t_c, s_c, fwd_bytes),
+             Row(f"{tag} fwd  mmfuse", t_o, s_o, fwd_bytes, t_c, "vs compile", verdict)]
+    t_o, s_o = time_us(lambda: torch.ops.mmfuse.rms_norm_backward(dout, dh, h, rstd, w), device, **it)
+    rows.append(Row(f"{tag} bwd  mmfuse (kernel)", t_o, s_o, bwd_bytes, verified=verdict))
+    t_e, s_e = time_us(hf_fb(_hf), device, **it)
+    t_c, s_c = time_us(hf_fb(hf_c), device, **it)
+    t_o, s_o = time_us(hf_fb(lambda a, b, c: mmfuse.rms_norm(a, c, 1e-6, b)), device, **it)
+    rows += [Row(f"{tag} f+b  HF eager", t_e, s_e, fwd_bytes + bwd_bytes),
+             Row(f"{tag} f+b  HF torch.compile", t_c, s_c, fwd_bytes + bwd_bytes),
+             Row(f"{tag} f+b  mmfuse", t_o, s_o, fwd_bytes + bwd_bytes, t_c, "vs compile", verdict)]
+    return rows
+
+
+def run(device: str, quick: bool = False) -> dict:
+    copy = copy_bandwidth_gbs(device)
+    print(f"\ncopy bandwidth (read + write): {copy:.0f} GB/s")
+    shapes = [(16384, 2048), (16384, 3584)] if device == "cuda" else [(64, 96)]
+    rows = []
+    for T, H in shapes:
+        rows += _rows(T, H, device, quick)
+    print_table("rms_norm (bf16, residual add + RMSNorm; speedup = torch.compile time / mmfuse time)", rows, copy)
+    if device == "cuda":
+        for r in rows:
+            if "mmfuse" in r.name:
+                print(f"rms_norm {r.name}: {100 * r.nbytes / (r.us * 1e-6) / 1e9 / copy:.1f}% of copy")
+    return dict(copy_gbs=copy, rows=[r.__dict__ for r in rows],
+                all_verified=all(not r.verified.startswith("FAIL") for r in rows))
