@@ -83,6 +83,10 @@ def _run(args) -> int:
     from . import fp8, gemm, moe, positions, rms_norm, rope, swiglu, train
 
     def run_train(dev, quick):
+        if args.nproc > 1 or "WORLD_SIZE" in os.environ:
+            from . import train_dist
+            return train_dist.run(dev, args.nproc, preset_name=args.preset, layers=args.layers, batch=args.batch,
+                                  seq=args.seq, action=args.action)
         return train.run(dev, preset_name=args.preset, layers=args.layers, batch=args.batch, seq=args.seq,
                          action=args.action, steps=args.steps, lr=args.lr, quick=quick)
 

@@ -220,3 +220,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--action", type=int, default=256, help="action tokens a sample (its last ones)")
     p.add_argument("--steps", type=int, default=50, help="AdamW steps of the loss agreement check")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--nproc", type=int, default=1,
+                   help="data-parallel ranks: FSDP2 with activation checkpointing, gradients checked against one "
+                        "process (gloo processes on the CPU; on GPUs run under torchrun --nproc-per-node N)")
