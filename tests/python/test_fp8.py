@@ -562,3 +562,55 @@ def test_per_row_beats_per_tensor_on_uneven_rows(device):
     assert err["row"] < 0.06 and err["row"] < 0.25 * err["tensor"], err
     with pytest.raises(ValueError, match="recipe='row' scales are always dynamic"):
         mmfuse.fp8_linear(x, w, recipe="row", scaling="delayed")
+
+
+def _amax_worker(rank, world, port, out_dir):
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from mmfuse.nn import reduce_amax_histories
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16)).to(torch.bfloat16)
+        convert_to_fp8(model, scaling="delayed")
+        g = torch.Generator().manual_seed(10 + rank)  # each rank its own data: different amaxes
+        for _ in range(2):
+            x = ((rank + 1) * torch.randn(8, 32, generator=g)).to(torch.bfloat16)
+            model(x).float().square().sum().backward()
+            states = [s.clone() for m in model for s in m.fp8_delayed_states()]
+            gathered = [[torch.empty_like(s) for _ in range(world)] for s in states]
+            for s, out in zip(states, gathered):
+                dist.all_gather(out, s)
+            assert reduce_amax_histories(model) == 4
+            for s, out, (m, name) in zip(states, gathered, [(m, n) for m in model for n in ("x_state", "g_state")]):
+                got = getattr(m, name)
+                assert torch.equal(got, torch.stack(out).amax(0))  # the element-wise maximum of the ranks
+                assert not torch.equal(out[0], out[1])  # the ranks did differ before
+        dist.barrier()
+        open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)
+
+
+# Delayed scaling under data parallelism: after reduce_amax_histories every rank holds the same
+# histories (the maximum), so every rank quantizes its next call with the same scale.
+def test_amax_histories_reduced_across_gloo_ranks(tmp_path):
+    import socket
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_amax_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()

@@ -1,7 +1,7 @@
 """``Fp8Linear``: a drop-in ``nn.Linear`` whose forward and backward GEMMs run in fp8 (e4m3 operands,
 e5m2 or e4m3 gradients, fp32 accumulation), with its scale state owned by the module."""
 
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +114,31 @@ class Fp8Linear(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scaling={self.scaling}, recipe={self.recipe}, grad_dtype={self.grad_dtype}"
+
+    def fp8_delayed_states(self) -> List[Tensor]:
+        """The amax states that delayed scaling reads (x's and the gradient's; w is scaled dynamically)."""
+        return [self.x_state, self.g_state] if self.scaling == "delayed" else []
+
+
+def reduce_amax_histories(model: torch.nn.Module, group=None) -> int:
+    """Makes every rank's delayed-scaling amax histories the element-wise maximum over the ranks of
+    ``group`` (the default process group when None), in one all-reduce, so that every rank quantizes
+    its next call with the same scales. Call it on every rank after each step's backward (the
+    histories move in step on all ranks). The scratch words of a state are zero between calls, so
+    reducing them too changes nothing. Returns the number of states reduced (0 without a process
+    group)."""
+    import torch.distributed as dist
+
+    states = [s for m in model.modules() if hasattr(m, "fp8_delayed_states") for s in m.fp8_delayed_states()]
+    if not states or not dist.is_available() or not dist.is_initialized():
+        return 0
+    flat = torch.cat([s.reshape(-1) for s in states])
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    offset = 0
+    for s in states:
+        s.copy_(flat[offset:offset + s.numel()].view_as(s))
+        offset += s.numel()
+    return len(states)
 
 
 def convert_to_fp8(model: torch.nn.Module, filter_fn: Optional[Callable[[str, torch.nn.Module], bool]] = None,
