@@ -12,16 +12,17 @@ and the gate/up output only; the SwiGLU output is recomputed in the backward.
 Weights load from the reference model of ``mmfuse-bench train`` (:meth:`VLADecoder.load_reference`).
 """
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import dual_gemm as _dg  # noqa: F401  (the ops)
+from .. import fp8 as _fp8
 from ..rms_norm import rms_norm
 from ..rope import mrope
 from ..swiglu import swiglu, swiglu_backward
+from .fp8 import Fp8Linear
 
 
 class _MoTExpertsFn(torch.autograd.Function):
@@ -57,9 +58,16 @@ class _MoTExpertsFn(torch.autograd.Function):
 class MoTExperts(nn.Module):
     """Two SwiGLU experts over one grouped token block: rows ``[0, m0)`` go through expert 0 (hidden ->
     inter0 -> hidden), the rest through expert 1. Weights in ``nn.Linear`` layout, gate and up stacked:
-    ``gate_up_e [2 * inter_e, hidden]`` = ``[gate_e; up_e]``, ``down_e [hidden, inter_e]``."""
+    ``gate_up_e [2 * inter_e, hidden]`` = ``[gate_e; up_e]``, ``down_e [hidden, inter_e]``.
 
-    def __init__(self, hidden: int, intermediate_sizes: Sequence[int], *, device=None, dtype=None):
+    With ``fp8=True`` an expert whose gate/up GEMM is big enough for fp8 to pay (:func:`mmfuse.fp8.fp8_pays`;
+    always on the CPU, which emulates fp8) runs both its projections through :func:`mmfuse.fp8_linear`
+    (e4m3 operands, e5m2 gradients, delayed scaling, fp8 copies saved for the backward); the other
+    stays bf16. The states are buffers (``fp8_delayed_states`` lists them for
+    :func:`mmfuse.nn.reduce_amax_histories`)."""
+
+    def __init__(self, hidden: int, intermediate_sizes: Sequence[int], *, fp8: bool = False,
+                 history: int = _fp8.DEFAULT_HISTORY, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         i0, i1 = intermediate_sizes
@@ -67,15 +75,47 @@ class MoTExperts(nn.Module):
         self.down0 = nn.Parameter(torch.empty(hidden, i0, **kw))
         self.gate_up1 = nn.Parameter(torch.empty(2 * i1, hidden, **kw))
         self.down1 = nn.Parameter(torch.empty(hidden, i1, **kw))
+        self.fp8 = fp8
+        if fp8:
+            for proj in ("gate_up0", "down0", "gate_up1", "down1"):
+                for t, hist in (("x", history), ("w", 1), ("g", history)):
+                    self.register_buffer(f"{proj}_{t}_state", _fp8.new_state(hist, device), persistent=False)
+
+    def fp8_delayed_states(self) -> List[Tensor]:
+        if not self.fp8:
+            return []
+        return [getattr(self, f"{p}_{t}_state") for p in ("gate_up0", "down0", "gate_up1", "down1") for t in "xg"]
+
+    def _fp8_linear(self, x: Tensor, proj: str) -> Tensor:
+        return _fp8.fp8_linear(x, getattr(self, proj), x_state=getattr(self, f"{proj}_x_state"),
+                               w_state=getattr(self, f"{proj}_w_state"), g_state=getattr(self, f"{proj}_g_state"),
+                               scaling="delayed")
+
+    def _uses_fp8(self, x: Tensor, rows: int, e: int) -> bool:
+        if not self.fp8:
+            return False
+        w = getattr(self, f"gate_up{e}")
+        return not x.is_cuda or _fp8.fp8_pays(rows, w.shape[0], w.shape[1])
 
     def forward(self, x: Tensor, m0: int) -> Tensor:
         if x.dim() != 2 or not 0 <= m0 <= x.shape[0]:
             raise ValueError(f"MoTExperts: expected x [T, H] and 0 <= m0 <= T, got {tuple(x.shape)} and m0 = {m0}")
-        return _MoTExpertsFn.apply(x, int(m0), self.gate_up0, self.down0, self.gate_up1, self.down1)
+        m0 = int(m0)
+        fp8 = [self._uses_fp8(x, m0, 0), self._uses_fp8(x, x.shape[0] - m0, 1)]
+        if not any(fp8):
+            return _MoTExpertsFn.apply(x, m0, self.gate_up0, self.down0, self.gate_up1, self.down1)
+        outs = []
+        for e, part in enumerate((x[:m0], x[m0:])):
+            if fp8[e]:
+                outs.append(self._fp8_linear(swiglu(self._fp8_linear(part, f"gate_up{e}")), f"down{e}"))
+            else:
+                gu, dn = getattr(self, f"gate_up{e}"), getattr(self, f"down{e}")
+                outs.append(F.linear(swiglu(F.linear(part, gu)), dn))
+        return torch.cat(outs)
 
 
 class VLADecoderLayer(nn.Module):
-    def __init__(self, cfg, *, device=None, dtype=None):
+    def __init__(self, cfg, *, fp8: bool = False, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.cfg = cfg
@@ -84,7 +124,10 @@ class VLADecoderLayer(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, (cfg.heads + 2 * cfg.kv_heads) * d, bias=True, **kw)
         self.o_proj = nn.Linear(cfg.heads * d, cfg.hidden, bias=False, **kw)
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden, **kw))
-        self.experts = MoTExperts(cfg.hidden, (cfg.inter_vl, cfg.inter_action), **kw)
+        self.experts = MoTExperts(cfg.hidden, (cfg.inter_vl, cfg.inter_action), fp8=fp8, **kw)
+        if fp8:  # the projections through Fp8Linear (bf16 where fp8 does not pay)
+            self.qkv = Fp8Linear.from_linear(self.qkv)
+            self.o_proj = Fp8Linear.from_linear(self.o_proj)
 
     def forward(self, y: Tensor, residual: Optional[Tensor], positions: Tensor, inv_freq: Tensor, B: int, L: int,
                 split: int):
@@ -110,15 +153,18 @@ class VLADecoderLayer(nn.Module):
 
 class VLADecoder(nn.Module):
     """The decoder stack on mmfuse; forward(embeds [B, L, hidden], positions [3, B, L], action) ->
-    [B, L, hidden], the last ``action`` tokens of each sample going through the action expert."""
+    [B, L, hidden], the last ``action`` tokens of each sample going through the action expert.
+    ``fp8=True``: the q/k/v and o projections and the experts in fp8 where it pays (delayed scaling;
+    under data parallelism call :func:`mmfuse.nn.reduce_amax_histories` after each backward)."""
 
-    def __init__(self, cfg, *, device=None, dtype=None):
+    def __init__(self, cfg, *, fp8: bool = False, device=None, dtype=None):
         super().__init__()
         self.cfg = cfg
         d = cfg.head_dim
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
-        self.layers = nn.ModuleList(VLADecoderLayer(cfg, device=device, dtype=dtype) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(VLADecoderLayer(cfg, fp8=fp8, device=device, dtype=dtype)
+                                    for _ in range(cfg.layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden, device=device, dtype=dtype))
 
     def forward(self, embeds: Tensor, positions: Tensor, action: int) -> Tensor:
