@@ -88,7 +88,8 @@ def _run(args) -> int:
             return train_dist.run(dev, args.nproc, preset_name=args.preset, layers=args.layers, batch=args.batch,
                                   seq=args.seq, action=args.action)
         return train.run(dev, preset_name=args.preset, layers=args.layers, batch=args.batch, seq=args.seq,
-                         action=args.action, steps=args.steps, lr=args.lr, fp8=args.fp8, quick=quick)
+                         action=args.action, steps=args.steps, lr=args.lr, fp8=args.fp8,
+                         compile=not args.no_compile, quick=quick)
 
     runners = {"rope": rope.run, "positions": positions.run, "moe": moe.run, "gemm": gemm.run, "fp8": fp8.run,
                "rms_norm": rms_norm.run, "swiglu": swiglu.run, "train": run_train}

@@ -92,6 +92,9 @@ def _train(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
             rows.append([label, _f(res[key], "{:.2f}"), "", "", "", "", "1.00", "", "", ""])
             bars.append((label.split(":")[0], res[key]))
     for r in res.get("rows", []):
+        if "loss_last" not in r:  # a variant that failed
+            rows.append([r["variant"], "", "", "", "", "", "", "", "", r.get("verified", "")])
+            continue
         rows.append([r["variant"], _f(r.get("ms"), "{:.2f}"), _f(r.get("tokens_per_s"), "{:.0f}"),
                      _f(r.get("vs_eager"), "{:.2f}x"), _f(r.get("vs_compiled"), "{:.2f}x"), _f(r.get("peak_gib"), "{:.2f}"),
                      _f(r.get("x_bound"), "{:.2f}"), _f(r.get("grad_err"), "{:.1e}"),
