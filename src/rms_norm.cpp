@@ -5,34 +5,12 @@
 #include <cmath>
 #include <string>
 
+#include "common/checks.h"
 #include "common/dispatch.h"
 #include "common/overlap.h"
 
 namespace mmfuse {
 namespace {
-
-// A [T, H] view of dtype dt on dev: the last dim contiguous, rows at least H apart.
-void check_rows(const char* op, const TensorView& v, const char* name, int64_t T, int64_t H, DType dt, Device dev) {
-  MMFUSE_CHECK(v.defined(), op, ": ", name, " is missing");
-  MMFUSE_CHECK(v.ndim == 2 && v.shape[0] == T && v.shape[1] == H, op, ": ", name, ": expected shape [", T, ", ", H,
-               "], got ", shape_str(v));
-  MMFUSE_CHECK(v.dtype == dt, op, ": ", name, ": expected dtype ", dtype_name(dt), ", got ", dtype_name(v.dtype));
-  MMFUSE_CHECK(v.device == dev, op, ": ", name, ": expected a tensor on ", device_name(dev), ", got ",
-               device_name(v.device));
-  MMFUSE_CHECK(H <= 1 || T == 0 || v.stride[1] == 1, op, ": ", name, ": the last dim must be contiguous, got strides [",
-               v.stride[0], ", ", v.stride[1], "]");
-  MMFUSE_CHECK(T <= 1 || v.stride[0] >= H, op, ": ", name, ": row stride ", v.stride[0], " is below its ", H,
-               " columns");
-}
-
-void check_vec(const char* op, const TensorView& v, const char* name, int64_t n, DType dt, Device dev) {
-  MMFUSE_CHECK(v.defined(), op, ": ", name, " is missing");
-  MMFUSE_CHECK(v.ndim == 1 && v.shape[0] == n, op, ": ", name, ": expected shape [", n, "], got ", shape_str(v));
-  MMFUSE_CHECK(v.dtype == dt, op, ": ", name, ": expected dtype ", dtype_name(dt), ", got ", dtype_name(v.dtype));
-  MMFUSE_CHECK(v.device == dev, op, ": ", name, ": expected a tensor on ", device_name(dev), ", got ",
-               device_name(v.device));
-  MMFUSE_CHECK(n <= 1 || v.stride[0] == 1, op, ": ", name, ": expected a contiguous vector, got stride ", v.stride[0]);
-}
 
 void check_grouping(const char* op, const RmsNormGrouping& g, int64_t T) {
   MMFUSE_CHECK(g.seq_len >= 0, op, ": seq_len: expected >= 0, got ", g.seq_len);
@@ -60,24 +38,16 @@ void rms_norm(const TensorView& x, const TensorView& residual, const TensorView&
   dispatch_floating(dt, "rms_norm: x", [](auto) {});
   MMFUSE_CHECK(dev.type == DeviceType::kCPU || dt != DType::kFloat64, op, ": x: float64 is CPU only");
   MMFUSE_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps: expected a finite value >= 0, got ", eps);
-  check_rows(op, x, "x", T, H, dt, dev);
-  check_vec(op, weight, "weight", H, dt, dev);
+  check_matrix(op, x, "x", T, H, dt, dev);
+  check_vector(op, weight, "weight", H, dt, dev);
   check_grouping(op, g, T);
-  check_rows(op, out, "out", T, H, dt, dev);
-  check_vec(op, rstd, "rstd", T, stat_dtype(dt), dev);
+  check_matrix(op, out, "out", T, H, dt, dev);
+  check_vector(op, rstd, "rstd", T, stat_dtype(dt), dev);
   const bool writes_h = residual.defined() || g.x_grouped;
-  if (residual.defined()) check_rows(op, residual, "residual", T, H, dt, dev);
-  if (writes_h) check_rows(op, h_out, "h_out", T, H, dt, dev);
-  const TensorView* ins[] = {&x, &residual, &weight};
-  const char* in_names[] = {"x", "residual", "weight"};
-  const TensorView* outs[] = {&out, writes_h ? &h_out : nullptr, &rstd};
-  const char* out_names[] = {"out", "h_out", "rstd"};
-  for (int o = 0; o < 3; ++o) {
-    if (!outs[o]) continue;
-    for (int i = 0; i < 3; ++i) check_no_overlap(op, *outs[o], out_names[o], *ins[i], in_names[i]);
-    for (int p = 0; p < o; ++p)
-      if (outs[p]) check_no_overlap(op, *outs[o], out_names[o], *outs[p], out_names[p]);
-  }
+  if (residual.defined()) check_matrix(op, residual, "residual", T, H, dt, dev);
+  if (writes_h) check_matrix(op, h_out, "h_out", T, H, dt, dev);
+  check_outputs_separate(op, {{&out, "out"}, {writes_h ? &h_out : nullptr, "h_out"}, {&rstd, "rstd"}},
+                         {{&x, "x"}, {&residual, "residual"}, {&weight, "weight"}});
   if (T == 0) return;
   if (dev.type == DeviceType::kCPU) return detail::rms_norm_cpu(x, residual, weight, eps, g, out, h_out, rstd);
   MMFUSE_CUDA_BACKEND(op, stream, detail::rms_norm_cuda(x, residual, weight, eps, g, out, h_out, rstd, stream));
@@ -99,25 +69,17 @@ void rms_norm_backward(const TensorView& dout, const TensorView& dh, const Tenso
   const DType dt = h.dtype;
   const Device dev = h.device;
   dispatch_floating(dt, "rms_norm_backward: h", [](auto) {});
-  check_rows(op, h, "h", T, H, dt, dev);
-  check_rows(op, dout, "dout", T, H, dt, dev);
-  if (dh.defined()) check_rows(op, dh, "dh", T, H, dt, dev);
-  check_vec(op, rstd, "rstd", T, stat_dtype(dt), dev);
-  check_vec(op, weight, "weight", H, dt, dev);
+  check_matrix(op, h, "h", T, H, dt, dev);
+  check_matrix(op, dout, "dout", T, H, dt, dev);
+  if (dh.defined()) check_matrix(op, dh, "dh", T, H, dt, dev);
+  check_vector(op, rstd, "rstd", T, stat_dtype(dt), dev);
+  check_vector(op, weight, "weight", H, dt, dev);
   check_grouping(op, g, T);
-  check_rows(op, dx, "dx", T, H, dt, dev);
-  if (g.x_grouped) check_rows(op, dres, "dresidual", T, H, dt, dev);
-  check_vec(op, dweight, "dweight", H, stat_dtype(dt), dev);
-  const TensorView* ins[] = {&dout, &dh, &h, &rstd, &weight};
-  const char* in_names[] = {"dout", "dh", "h", "rstd", "weight"};
-  const TensorView* outs[] = {&dx, g.x_grouped ? &dres : nullptr, &dweight};
-  const char* out_names[] = {"dx", "dresidual", "dweight"};
-  for (int o = 0; o < 3; ++o) {
-    if (!outs[o]) continue;
-    for (int i = 0; i < 5; ++i) check_no_overlap(op, *outs[o], out_names[o], *ins[i], in_names[i]);
-    for (int p = 0; p < o; ++p)
-      if (outs[p]) check_no_overlap(op, *outs[o], out_names[o], *outs[p], out_names[p]);
-  }
+  check_matrix(op, dx, "dx", T, H, dt, dev);
+  if (g.x_grouped) check_matrix(op, dres, "dresidual", T, H, dt, dev);
+  check_vector(op, dweight, "dweight", H, stat_dtype(dt), dev);
+  check_outputs_separate(op, {{&dx, "dx"}, {g.x_grouped ? &dres : nullptr, "dresidual"}, {&dweight, "dweight"}},
+                         {{&dout, "dout"}, {&dh, "dh"}, {&h, "h"}, {&rstd, "rstd"}, {&weight, "weight"}});
   if (dev.type == DeviceType::kCPU) return detail::rms_norm_backward_cpu(dout, dh, h, rstd, weight, g, dx, dres, dweight);
   check_workspace(op, workspace, dev, rms_norm_backward_workspace_size(T, H) * 4);
   MMFUSE_CUDA_BACKEND(op, stream,

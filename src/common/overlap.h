@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "mmfuse/common.h"
 
@@ -31,6 +32,24 @@ inline void check_no_overlap(const char* op, const TensorView& out, const char* 
                              const char* in_name) {
   MMFUSE_CHECK(!ranges_overlap(out, in), op, ": ", out_name, " overlaps ", in_name,
                ": expected separate memory for every output");
+}
+
+// A view and its argument name; a null view (an absent optional argument) is skipped.
+struct NamedView {
+  const TensorView* v;
+  const char* name;
+};
+
+// Every output shares no memory with any input nor with another output.
+inline void check_outputs_separate(const char* op, std::initializer_list<NamedView> outs,
+                                   std::initializer_list<NamedView> ins) {
+  for (auto o = outs.begin(); o != outs.end(); ++o) {
+    if (!o->v) continue;
+    for (const NamedView& i : ins)
+      if (i.v) check_no_overlap(op, *o->v, o->name, *i.v, i.name);
+    for (auto p = outs.begin(); p != o; ++p)
+      if (p->v) check_no_overlap(op, *o->v, o->name, *p->v, p->name);
+  }
 }
 
 }  // namespace mmfuse

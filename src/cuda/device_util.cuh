@@ -15,6 +15,8 @@
 #include <utility>
 
 #include "common/cuda_check.h"
+#include "common/dispatch.h"
+#include "cuda/numerics.cuh"
 
 #include "mmfuse/common.h"
 
@@ -86,6 +88,26 @@ void dispatch_vec(int b, F&& f) {
     case 2: return f(std::integral_constant<int, 2>{});
     default: return f(std::integral_constant<int, 1>{});
   }
+}
+
+// Calls f(TypeTag<D>, std::integral_constant<int, VEC>) for the floating dtype dt (D its device type:
+// float, double, __nv_bfloat16, __half) with the widest vector of VEC elements that a row of `cols`
+// elements and every given row (base address, stride in bytes) allow. float64 only where kDouble
+// (the callers without it reject it first).
+template <bool kDouble, class F>
+void dispatch_row_vectors(const char* what, DType dt, int64_t cols,
+                          std::initializer_list<std::pair<const void*, int64_t>> rows, F&& f) {
+  dispatch_floating(dt, what, [&](auto tag) {
+    using S = typename std::decay_t<decltype(tag)>::type;
+    if constexpr (kDouble || !std::is_same_v<S, double>) {
+      using D = typename device_type<S>::type;
+      const int b = std::max<int>(vec_bytes(cols * int64_t(sizeof(S)), rows), int(sizeof(S)));
+      dispatch_vec(b, [&](auto bc) {
+        constexpr int VEC = decltype(bc)::value / int(sizeof(S));
+        if constexpr (VEC >= 1) f(TypeTag<D>{}, std::integral_constant<int, VEC>{});
+      });
+    }
+  });
 }
 
 inline int current_device() {

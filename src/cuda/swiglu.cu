@@ -66,23 +66,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Calls f(TypeTag<device S>, VEC) with the widest vector all the rows allow.
-template <class F>
-void dispatch_rows(const char* what, DType dt, int64_t I, std::initializer_list<std::pair<const void*, int64_t>> rows,
-                   F&& f) {
-  dispatch_floating(dt, what, [&](auto tag) {
-    using S = typename decltype(tag)::type;
-    if constexpr (!std::is_same_v<S, double>) {
-      using D = typename device_type<S>::type;
-      const int b = std::max<int>(cuda::vec_bytes(I * int64_t(sizeof(S)), rows), int(sizeof(S)));
-      cuda::dispatch_vec(b, [&](auto bc) {
-        constexpr int VEC = decltype(bc)::value / int(sizeof(S));
-        if constexpr (VEC >= 1) f(TypeTag<D>{}, std::integral_constant<int, VEC>{});
-      });
-    }
-  });
-}
-
 dim3 grid_of(int64_t T, int V) {
   return dim3(unsigned((V + kThreads - 1) / kThreads), unsigned(std::min<int64_t>(T, kMaxRowBlocks)));
 }
@@ -91,7 +74,7 @@ dim3 grid_of(int64_t T, int V) {
 
 void swiglu_cuda(const TensorView& gate_up, TensorView& out, cudaStream_t stream) {
   const int64_t T = gate_up.shape[0], I = gate_up.shape[1] / 2, es = int64_t(dtype_size(gate_up.dtype));
-  dispatch_rows("swiglu: gate_up", gate_up.dtype, I, {{gate_up.data, gate_up.stride[0] * es}, {out.data, out.stride[0] * es}},
+  cuda::dispatch_row_vectors<false>("swiglu: gate_up", gate_up.dtype, I, {{gate_up.data, gate_up.stride[0] * es}, {out.data, out.stride[0] * es}},
                 [&](auto tag, auto vc) {
                   using S = typename decltype(tag)::type;
                   constexpr int VEC = decltype(vc)::value;
@@ -107,7 +90,7 @@ void swiglu_backward_cuda(const TensorView& dy, const TensorView& gate_up, Tenso
                           cudaStream_t stream) {
   const int64_t T = gate_up.shape[0], I = gate_up.shape[1] / 2, es = int64_t(dtype_size(gate_up.dtype));
   const bool with_y = y.defined();
-  dispatch_rows("swiglu_backward: gate_up", gate_up.dtype, I,
+  cuda::dispatch_row_vectors<false>("swiglu_backward: gate_up", gate_up.dtype, I,
                 {{gate_up.data, gate_up.stride[0] * es}, {dy.data, dy.stride[0] * es},
                  {d_gate_up.data, d_gate_up.stride[0] * es}, {with_y ? y.data : nullptr, with_y ? y.stride[0] * es : 0}},
                 [&](auto tag, auto vc) {

@@ -19,14 +19,6 @@ using namespace mmfuse::test;
 
 namespace {
 
-template <class S>
-double unit_roundoff() {
-  if constexpr (std::is_same_v<S, bf16>) return std::ldexp(1.0, -8);
-  if constexpr (std::is_same_v<S, f16>) return std::ldexp(1.0, -11);
-  if constexpr (std::is_same_v<S, float>) return std::ldexp(1.0, -24);
-  return std::ldexp(1.0, -53);
-}
-
 struct Case {
   int64_t T, H;
   bool residual, x_grouped, out_grouped, dh;

@@ -155,14 +155,6 @@ struct Problem {
 };
 
 template <class T>
-double unit_roundoff() {
-  if constexpr (std::is_same_v<T, bf16>) return std::ldexp(1.0, -8);
-  else if constexpr (std::is_same_v<T, f16>) return std::ldexp(1.0, -11);
-  else if constexpr (std::is_same_v<T, float>) return std::ldexp(1.0, -24);
-  else return std::ldexp(1.0, -53);
-}
-
-template <class T>
 void run_cpu_vs_reference(const Case& c) {
   SCOPED_TRACE(c.name());
   Problem<T> pb(c);
@@ -178,7 +170,7 @@ void run_cpu_vs_reference(const Case& c) {
 
   // Tolerance from the format: each rounding of the mode costs one unit roundoff of the result
   // terms; cos/sin of an fp32 angle are within 2^-23 of the float64 values (per unit of |x|).
-  const double u = unit_roundoff<T>();
+  const double u = test::unit_roundoff<T>();
   const double rel = c.numerics == RopeNumerics::kHfEager && !std::is_same_v<T, float> && !std::is_same_v<T, double>
                          ? 5 * u
                          : 2 * u;

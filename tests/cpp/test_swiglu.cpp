@@ -17,14 +17,6 @@ using namespace mmfuse::test;
 namespace {
 
 template <class S>
-double unit_roundoff() {
-  if constexpr (std::is_same_v<S, bf16>) return std::ldexp(1.0, -8);
-  if constexpr (std::is_same_v<S, f16>) return std::ldexp(1.0, -11);
-  if constexpr (std::is_same_v<S, float>) return std::ldexp(1.0, -24);
-  return std::ldexp(1.0, -53);
-}
-
-template <class S>
 void run_case(int64_t T, int64_t I, int64_t pad, std::mt19937_64& rng, bool on_gpu) {
   const int64_t ld = 2 * I + pad, ldy = I + pad;
   std::vector<S> gu = random_vec<S>(size_t(std::max<int64_t>(1, T * ld)), rng, -6.0, 6.0);

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -35,6 +36,15 @@ template <> inline DType dtype_of<bf16>() { return DType::kBFloat16; }
 template <> inline DType dtype_of<f16>() { return DType::kFloat16; }
 template <> inline DType dtype_of<int32_t>() { return DType::kInt32; }
 template <> inline DType dtype_of<int64_t>() { return DType::kInt64; }
+
+// The unit roundoff of a storage type (half its precision: the error bound of one rounding).
+template <class S>
+double unit_roundoff() {
+  if constexpr (std::is_same_v<S, bf16>) return std::ldexp(1.0, -8);
+  if constexpr (std::is_same_v<S, f16>) return std::ldexp(1.0, -11);
+  if constexpr (std::is_same_v<S, float>) return std::ldexp(1.0, -24);
+  return std::ldexp(1.0, -53);
+}
 
 template <class T>
 T from_double(double v) {

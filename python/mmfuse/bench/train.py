@@ -9,7 +9,7 @@ GEMMs and attention kernels alone, back to back at its shapes, measured in the s
 agreement with PyTorch eager: the largest relative gradient error of a parameter group at the first
 step, and the loss after ``--steps`` AdamW steps from the same weights on the same batch.
 
-``--fp8`` adds the mmfuse model with fp8 projections and experts (against its own bound: the fp8 GEMMs
+``--fp8`` adds the mmfuse model with fp8 projections and experts (against its own bound: its fp8 GEMMs
 as ``torch._scaled_mm`` of pre-quantized operands).
 
 On the CPU: the ``tiny`` preset in fp32, eager only, agreement only (CPU timings say nothing about
@@ -115,40 +115,12 @@ def _train_losses(v: _Variant, target, steps: int, lr: float) -> List[float]:
     return losses
 
 
-def _bound_us(cfg: VLAConfig, batch: Batch, device, dtype, iters: int) -> float:
+def _bound_us(cfg: VLAConfig, batch: Batch, device, iters: int, fp8: bool = False) -> float:
     """The step's GEMMs (forward, dX and dW of every projection and expert) and attention (SDPA forward
-    and backward) back to back at its shapes, without anything between them: a layer's time x layers."""
-    B, L = batch.shape
-    T, A = B * L, batch.action
-    T0, T1 = B * (L - A), B * A
-    h, d = cfg.hidden, cfg.head_dim
-    g = torch.Generator(device=device).manual_seed(0)
-    rnd = lambda *s: torch.randn(*s, device=device, dtype=dtype, generator=g)  # noqa: E731
-    # (m, k, n) of each forward GEMM: y [m, n] = x [m, k] @ w^T
-    shapes = [(T, h, (cfg.heads + 2 * cfg.kv_heads) * d), (T, cfg.heads * d, h), (T0, h, 2 * cfg.inter_vl),
-              (T1, h, 2 * cfg.inter_action), (T0, cfg.inter_vl, h), (T1, cfg.inter_action, h)]
-    ops = []
-    for m, k, n in shapes:
-        x, w, dy = rnd(m, k), rnd(n, k), rnd(m, n)
-        ops += [lambda x=x, w=w: x @ w.t(), lambda dy=dy, w=w: dy @ w, lambda dy=dy, x=x: dy.t() @ x]
-    q = rnd(B, cfg.heads, L, d).requires_grad_()
-    k = rnd(B, cfg.kv_heads, L, d).requires_grad_()
-    v = rnd(B, cfg.kv_heads, L, d).requires_grad_()
-    do = rnd(B, cfg.heads, L, d)
-
-    def attention():
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        torch.autograd.grad(o, (q, k, v), do)
-
-    ops.append(attention)
-    us, _ = time_us(lambda: [op() for op in ops], device, iters=iters)
-    return us * cfg.layers
-
-
-def _bound_fp8_us(cfg: VLAConfig, batch: Batch, device, iters: int) -> float:
-    """As _bound_us with the GEMMs that the fp8 model runs in fp8 (q/k/v, o and every expert whose
-    GEMMs are big enough: mmfuse.fp8.fp8_pays) as torch._scaled_mm of pre-quantized operands (e4m3,
-    the gradient e5m2), the rest bf16."""
+    and backward) back to back at its shapes, with nothing between them: a layer's time x layers. With
+    ``fp8`` the GEMMs that the fp8 model runs in fp8 (q/k/v, o and every expert whose gate/up GEMM is
+    big enough: mmfuse.fp8.fp8_pays) are torch._scaled_mm of pre-quantized operands (e4m3, the
+    gradient e5m2), the rest bf16."""
     from .. import fp8 as _fp8
 
     B, L = batch.shape
@@ -158,24 +130,24 @@ def _bound_fp8_us(cfg: VLAConfig, batch: Batch, device, iters: int) -> float:
     g = torch.Generator(device=device).manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16, generator=g)  # noqa: E731
     one = torch.ones((), device=device)
-
-    def q8(t, dt=torch.float8_e4m3fn):
-        return t.to(dt)
-
+    mm8 = lambda a, b: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    expert_fp8 = [_fp8.fp8_pays(T0, 2 * cfg.inter_vl, h), _fp8.fp8_pays(T1, 2 * cfg.inter_action, h)]
+    # (m, k, n, in fp8) of each forward GEMM y [m, n] = x [m, k] @ w^T
+    gemms = [(T, h, (cfg.heads + 2 * cfg.kv_heads) * d, _fp8.fp8_pays(T, (cfg.heads + 2 * cfg.kv_heads) * d, h)),
+             (T, cfg.heads * d, h, _fp8.fp8_pays(T, h, cfg.heads * d)),
+             (T0, h, 2 * cfg.inter_vl, expert_fp8[0]), (T1, h, 2 * cfg.inter_action, expert_fp8[1]),
+             (T0, cfg.inter_vl, h, expert_fp8[0]), (T1, cfg.inter_action, h, expert_fp8[1])]
     ops = []
-    for m, k, n, expert in [(T, h, (cfg.heads + 2 * cfg.kv_heads) * d, None), (T, cfg.heads * d, h, None),
-                            (T0, h, 2 * cfg.inter_vl, 0), (T1, h, 2 * cfg.inter_action, 1), (T0, cfg.inter_vl, h, 0),
-                            (T1, cfg.inter_action, h, 1)]:
-        e_rows, e_in, e_out = (T0, h, 2 * cfg.inter_vl) if expert == 0 else (T1, h, 2 * cfg.inter_action)
-        fp8 = _fp8.fp8_pays(m, n, k) if expert is None else _fp8.fp8_pays(e_rows, e_out, e_in)
+    for m, k, n, in_fp8 in gemms:
         x, w, dy = rnd(m, k), rnd(n, k), rnd(m, n)
-        if not fp8:
+        if fp8 and in_fp8:  # the second operand column-major, as the fp8 tensor cores take it
+            xq, wq, dyq = x.to(e4), w.to(e4), dy.to(e5)
+            wtq, dytq, xtq = w.t().contiguous().to(e4), dy.t().contiguous().to(e5), x.t().contiguous().to(e4)
+            ops += [lambda a=xq, b=wq: mm8(a, b.t()), lambda a=dyq, b=wtq: mm8(a, b.t()),
+                    lambda a=dytq, b=xtq: mm8(a, b.t())]
+        else:
             ops += [lambda x=x, w=w: x @ w.t(), lambda dy=dy, w=w: dy @ w, lambda dy=dy, x=x: dy.t() @ x]
-            continue
-        xq, wq, dyq = q8(x), q8(w), q8(dy, torch.float8_e5m2)
-        wtq, dytq, xtq = q8(w.t().contiguous()), q8(dy.t().contiguous(), torch.float8_e5m2), q8(x.t().contiguous())
-        mm = lambda a, b: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
-        ops += [lambda: mm(xq, wq.t()), lambda: mm(dyq, wtq.t()), lambda: mm(dytq, xtq.t())]
     q = rnd(B, cfg.heads, L, d).requires_grad_()
     k = rnd(B, cfg.kv_heads, L, d).requires_grad_()
     v = rnd(B, cfg.kv_heads, L, d).requires_grad_()
@@ -244,8 +216,8 @@ def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, b
     bound = bound8 = None
     if on_gpu:
         it = dict(iters=5 if quick else 20)
-        bound = _bound_us(cfg, data, device, dtype, it["iters"]) / 1e3
-        bound8 = _bound_fp8_us(cfg, data, device, it["iters"]) / 1e3 if fp8 else None
+        bound = _bound_us(cfg, data, device, it["iters"]) / 1e3
+        bound8 = _bound_us(cfg, data, device, it["iters"], fp8=True) / 1e3 if fp8 else None
         for v, row in zip(variants, rows):
             ms = time_us(lambda: v.step(data.target), device, warmup=3, iters=it["iters"])[0] / 1e3
             row.update(ms=ms, tokens_per_s=B * L / (ms * 1e-3), peak_gib=_peak_extra_bytes(v, data.target, device) / 2 ** 30,

@@ -196,19 +196,11 @@ inline void set_smem(const void* kernel, size_t bytes) {
     MMFUSE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
-// Calls f(TypeTag<S>, VEC) with the widest vector of S that the rows allow.
+// Calls f(TypeTag<D>, VEC) with the widest vector that the rows allow (float64 included).
 template <class F>
 void dispatch_rows(DType dt, const char* what, int64_t H, std::initializer_list<std::pair<const void*, int64_t>> rows,
                    F&& f) {
-  dispatch_floating(dt, what, [&](auto tag) {
-    using S = typename std::decay_t<decltype(tag)>::type;
-    using D = typename device_type<S>::type;
-    const int b = std::max<int>(vec_bytes(H * int64_t(sizeof(S)), rows), int(sizeof(S)));
-    dispatch_vec(b, [&](auto bc) {
-      constexpr int VEC = decltype(bc)::value / int(sizeof(S));
-      if constexpr (VEC >= 1) f(TypeTag<D>{}, std::integral_constant<int, VEC>{});
-    });
-  });
+  cuda::dispatch_row_vectors<true>(what, dt, H, rows, f);
 }
 
 }  // namespace

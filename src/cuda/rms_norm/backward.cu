@@ -133,7 +133,7 @@ void rms_norm_backward_cuda(const TensorView& dout, const TensorView& dh, const 
       {has_dres ? dres.data : nullptr, has_dres ? dres.stride[0] * es : 0}};
   const int64_t blocks = rms_norm::backward_blocks(T, cuda::sm_count(), rms_norm_backward_workspace_size(T, H) / H);
   float* partial = static_cast<float*>(workspace.data);
-  dispatch_rows("rms_norm_backward: h", h.dtype, H, rows, [&](auto tag, auto vc) {
+  cuda::dispatch_row_vectors<false>("rms_norm_backward: h", h.dtype, H, rows, [&](auto tag, auto vc) {
     using S = typename decltype(tag)::type;
     constexpr int VEC = decltype(vc)::value;
     using W = Vec<S, VEC>;

@@ -74,24 +74,6 @@ inline OutRows<W> out_rows_of(const TensorView& v) {
   return {static_cast<char*>(v.data), v.stride[0] * int64_t(dtype_size(v.dtype))};
 }
 
-// Calls f(TypeTag<device S>, VEC) with the widest vector every given row allows (bf16, fp16, fp32).
-template <class F>
-void dispatch_rows(const char* what, DType dt, int64_t H, std::initializer_list<std::pair<const void*, int64_t>> rows,
-                   F&& f) {
-  MMFUSE_CHECK(dt != DType::kFloat64, what, ": float64 is CPU only");
-  dispatch_floating(dt, what, [&](auto tag) {
-    using S = typename decltype(tag)::type;
-    if constexpr (!std::is_same_v<S, double>) {
-      using D = typename device_type<S>::type;
-      const int b = std::max<int>(cuda::vec_bytes(H * int64_t(sizeof(S)), rows), int(sizeof(S)));
-      cuda::dispatch_vec(b, [&](auto bc) {
-        constexpr int VEC = decltype(bc)::value / int(sizeof(S));
-        if constexpr (VEC >= 1) f(TypeTag<D>{}, std::integral_constant<int, VEC>{});
-      });
-    }
-  });
-}
-
 // Calls f(integral_constant<nv>) for the vectors a thread of row_shape (1, 2, 4, 8; 0: streaming).
 template <class F>
 void dispatch_nv(int nv, F&& f) {

@@ -95,7 +95,7 @@ void rms_norm_cuda(const TensorView& x, const TensorView& residual, const Tensor
       {x.data, x.stride[0] * es}, {out.data, out.stride[0] * es}, {weight.data, 0},
       {has_res ? residual.data : nullptr, has_res ? residual.stride[0] * es : 0},
       {write_h ? h_out.data : nullptr, write_h ? h_out.stride[0] * es : 0}};
-  dispatch_rows("rms_norm: x", x.dtype, H, rows, [&](auto tag, auto vc) {
+  cuda::dispatch_row_vectors<false>("rms_norm: x", x.dtype, H, rows, [&](auto tag, auto vc) {
     using S = typename decltype(tag)::type;
     constexpr int VEC = decltype(vc)::value;
     using W = Vec<S, VEC>;
