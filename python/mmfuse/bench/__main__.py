@@ -133,10 +133,14 @@ def main(argv=None) -> int:
                                          description="docs/benchmarks.md and its plots from docs/results/*.json")
         parser.add_argument("--results", default="docs/results", help="folder of result JSON files")
         parser.add_argument("--out", default="docs/benchmarks.md", help="the Markdown page to write")
+        parser.add_argument("--readme", default="README.md", help="the README whose results section to update")
         args = parser.parse_args(argv[1:])
-        from .report import render
-        for path in render(args.results, args.out):
-            print(f"wrote {path}")
+        from .report import render, update_readme
+        if os.path.isdir(args.results) and any(f.endswith(".json") for f in os.listdir(args.results)):
+            for path in render(args.results, args.out):
+                print(f"wrote {path}")
+        if update_readme(args.readme, args.results):
+            print(f"updated the results section of {args.readme}")
         return 0
     parser = argparse.ArgumentParser(prog="mmfuse-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("families", nargs="*", help=f"op families: {', '.join(_FAMILIES)} (default: all)")
