@@ -43,7 +43,7 @@ def _commit() -> str:
 def _header(device: str) -> dict:
     import torch
     h = {"device": "cpu", "torch": torch.__version__, "cuda": torch.version.cuda, "commit": _commit(),
-         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")}
     try:
         import transformers
         h["transformers"] = transformers.__version__
