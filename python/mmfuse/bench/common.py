@@ -95,3 +95,18 @@ def print_table(title: str, rows: List[Row], copy_gbs: Optional[float]) -> None:
         sp = f"{r.baseline_us / r.us:5.2f}x {r.baseline:<9}" if r.baseline_us else ""
         gbs_s = f"{gbs:7.0f}" if gbs else " " * 7
         print(f"| {r.name:<46} | {r.us:9.1f} | {r.spread:6.1f} | {gbs_s} | {pct} | {sp:>16} | {r.verified:<8} |")
+
+
+def run_bandwidth_family(family: str, title: str, shapes, rows_of, device: str, quick: bool) -> dict:
+    """A memory-bound family's run: the copy ceiling, rows_of(*shape, device, quick) for each shape, the
+    table, and a '% of copy' line for each mmfuse row (on the GPU)."""
+    copy = copy_bandwidth_gbs(device)
+    print(f"\ncopy bandwidth (read + write): {copy:.0f} GB/s")
+    rows = [r for shape in shapes for r in rows_of(*shape, device, quick)]
+    print_table(title, rows, copy)
+    if device == "cuda":
+        for r in rows:
+            if "mmfuse" in r.name:
+                print(f"{family} {r.name}: {100 * r.nbytes / (r.us * 1e-6) / 1e9 / copy:.1f}% of copy")
+    return dict(copy_gbs=copy, rows=[r.__dict__ for r in rows],
+                all_verified=all(not r.verified.startswith("FAIL") for r in rows))

@@ -7,7 +7,7 @@ import torch
 
 import mmfuse
 
-from .common import Row, copy_bandwidth_gbs, print_table, time_us
+from .common import Row, run_bandwidth_family, time_us
 
 
 def _hf(x, res, w, eps=1e-6):
@@ -61,16 +61,5 @@ def _rows(T, H, device, quick):
 
 
 def run(device: str, quick: bool = False) -> dict:
-    copy = copy_bandwidth_gbs(device)
-    print(f"\ncopy bandwidth (read + write): {copy:.0f} GB/s")
     shapes = [(16384, 2048), (16384, 3584)] if device == "cuda" else [(64, 96)]
-    rows = []
-    for T, H in shapes:
-        rows += _rows(T, H, device, quick)
-    print_table("rms_norm (bf16, residual add + RMSNorm; speedup = torch.compile time / mmfuse time)", rows, copy)
-    if device == "cuda":
-        for r in rows:
-            if "mmfuse" in r.name:
-                print(f"rms_norm {r.name}: {100 * r.nbytes / (r.us * 1e-6) / 1e9 / copy:.1f}% of copy")
-    return dict(copy_gbs=copy, rows=[r.__dict__ for r in rows],
-                all_verified=all(not r.verified.startswith("FAIL") for r in rows))
+    return run_bandwidth_family("rms_norm", "rms_norm (bf16, residual add + RMSNorm; speedup = torch.compile time / mmfuse time)", shapes, _rows, device, quick)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import mmfuse
 from mmfuse.swiglu import swiglu_backward
 
-from .common import Row, copy_bandwidth_gbs, print_table, time_us
+from .common import Row, run_bandwidth_family, time_us
 
 
 def _torch(gate_up):
@@ -56,16 +56,5 @@ def _rows(T, inter, device, quick):
 
 
 def run(device: str, quick: bool = False) -> dict:
-    copy = copy_bandwidth_gbs(device)
-    print(f"\ncopy bandwidth (read + write): {copy:.0f} GB/s")
     shapes = [(15360, 11008), (1024, 2048)] if device == "cuda" else [(64, 48)]
-    rows = []
-    for T, inter in shapes:
-        rows += _rows(T, inter, device, quick)
-    print_table("swiglu (bf16, fused gate/up; speedup = torch.compile time / mmfuse time)", rows, copy)
-    if device == "cuda":
-        for r in rows:
-            if "mmfuse" in r.name:
-                print(f"swiglu {r.name}: {100 * r.nbytes / (r.us * 1e-6) / 1e9 / copy:.1f}% of copy")
-    return dict(copy_gbs=copy, rows=[r.__dict__ for r in rows],
-                all_verified=all(not r.verified.startswith("FAIL") for r in rows))
+    return run_bandwidth_family("swiglu", "swiglu (bf16, fused gate/up; speedup = torch.compile time / mmfuse time)", shapes, _rows, device, quick)
