@@ -505,7 +505,8 @@ def _fsdp2_worker(rank, world, port, out_dir):
 
 # FSDP2 (fully_shard) on the CPU with the gloo backend, two ranks: Fp8Linear's forward and backward
 # through sharded parameters equal an unsharded copy's, bitwise.
-def test_fsdp2_gloo_cpu(tmp_path):
+def _spawn_gloo(worker, tmp_path, world=2):
+    """Runs worker(rank, world, port, out_dir) on `world` gloo ranks; each writes out_dir/ok<rank> when done."""
     import socket
 
     import torch.distributed as dist
@@ -516,8 +517,12 @@ def test_fsdp2_gloo_cpu(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_fsdp2_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
-    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+    mp.spawn(worker, args=(world, port, str(tmp_path)), nprocs=world, join=True)
+    assert all((tmp_path / f"ok{r}").exists() for r in range(world))
+
+
+def test_fsdp2_gloo_cpu(tmp_path):
+    _spawn_gloo(_fsdp2_worker, tmp_path)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -602,15 +607,4 @@ def _amax_worker(rank, world, port, out_dir):
 # Delayed scaling under data parallelism: after reduce_amax_histories every rank holds the same
 # histories (the maximum), so every rank quantizes its next call with the same scale.
 def test_amax_histories_reduced_across_gloo_ranks(tmp_path):
-    import socket
-
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_amax_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
-    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+    _spawn_gloo(_amax_worker, tmp_path)
