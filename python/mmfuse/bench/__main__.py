@@ -136,9 +136,8 @@ def main(argv=None) -> int:
         parser.add_argument("--readme", default="README.md", help="the README whose results section to update")
         args = parser.parse_args(argv[1:])
         from .report import render, update_readme
-        if os.path.isdir(args.results) and any(f.endswith(".json") for f in os.listdir(args.results)):
-            for path in render(args.results, args.out):
-                print(f"wrote {path}")
+        for path in render(args.results, args.out):
+            print(f"wrote {path}")
         if update_readme(args.readme, args.results):
             print(f"updated the results section of {args.readme}")
         return 0

@@ -238,8 +238,6 @@ def render(results_dir: str, out_md: str, plots_dir: Optional[str] = None) -> Li
     """Writes out_md (and the plots, in plots_dir: default <out_md's folder>/plots) from every
     results_dir/*.json; returns the paths written."""
     files = sorted(glob.glob(os.path.join(results_dir, "*.json")))
-    if not files:
-        raise SystemExit(f"mmfuse-bench report: no results in {results_dir} (run `mmfuse-bench --json FILE` on a GPU)")
     plots_dir = plots_dir or os.path.join(os.path.dirname(out_md) or ".", "plots")
     os.makedirs(plots_dir, exist_ok=True)
     written = []
@@ -249,6 +247,9 @@ def render(results_dir: str, out_md: str, plots_dir: Optional[str] = None) -> Li
           "`mmfuse-bench --json` on one GPU). Do not edit by hand: run the benchmark on a GPU, commit its "
           "JSON, regenerate. Ratios are measured side by side in one run; absolute times vary between "
           "machines. The reasoning behind each kernel is in `design/`.", ""]
+    if not files:
+        md += ["No results are committed yet: run `tools/gpu-check` on a GPU (it writes `bench.json`), copy the file "
+               "to `docs/results/<gpu>.json` and run `mmfuse-bench report`.", ""]
     for path in files:
         with open(path) as f:
             data = json.load(f)
