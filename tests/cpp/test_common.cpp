@@ -1,6 +1,8 @@
 // Host-only tests of the shared pieces: dtype conversions (exhaustive), views, errors.
 #include <cmath>
+#include <vector>
 
+#include "common/overlap.h"
 #include "common/overrides.h"
 #include "test_util.h"
 
@@ -84,6 +86,34 @@ TEST(PathOverride, SetByNameAndErrorsNamingTheChoices) {
                      "set_path_override: name: expected one of MMFUSE_MOE_PLAN, MMFUSE_MOE_PLAN_HIST, MMFUSE_MOE_BWD, "
                      "got 'MMFUSE_MOE_PATH'");
   EXPECT_EQ(path_override(Knob::kMoePlan), 0);  // a refused value leaves the knob as it was
+}
+
+// Overlap of strided views: exact for head slices of one fused buffer, rows with gaps, dense views.
+TEST(Overlap, ViewsShareAnElementOrNot) {
+  static uint16_t buf[1 << 16];
+  auto v = [&](int64_t off, std::vector<int64_t> sh, std::vector<int64_t> st) {
+    return make_view(buf + off, DType::kBFloat16, Device{}, int(sh.size()), sh.data(), st.data());
+  };
+  const int64_t C = 20 * 8;  // qkv [B=2, L=5, 16 + 2 + 2 heads, D=8]
+  const TensorView q = v(0, {2, 5, 16, 8}, {5 * C, C, 8, 1}), k = v(16 * 8, {2, 5, 2, 8}, {5 * C, C, 8, 1});
+  const TensorView val = v(18 * 8, {2, 5, 2, 8}, {5 * C, C, 8, 1});
+  EXPECT_FALSE(views_overlap(q, k));
+  EXPECT_FALSE(views_overlap(k, q));
+  EXPECT_FALSE(views_overlap(k, val));
+  EXPECT_TRUE(views_overlap(q, q));
+  EXPECT_TRUE(views_overlap(v(15 * 8, {2, 5, 2, 8}, {5 * C, C, 8, 1}), q));  // shares head 15
+  // rows of 5 elements, 10 apart: 8 elements on, b(0, 2) is a(1, 0); 5 on, the other halves of the rows
+  const TensorView a = v(0, {3, 5}, {10, 1});
+  EXPECT_TRUE(views_overlap(a, v(8, {3, 5}, {10, 1})));
+  EXPECT_FALSE(views_overlap(a, v(5, {3, 5}, {10, 1})));
+  EXPECT_TRUE(views_overlap(v(0, {4, 6}, {6, 1}), v(0, {6, 4}, {1, 6})));  // a dense buffer and its transpose
+  EXPECT_FALSE(views_overlap(v(0, {4, 6}, {6, 1}), v(24, {4, 6}, {6, 1})));
+  EXPECT_FALSE(views_overlap(v(0, {0, 6}, {6, 1}), v(0, {4, 6}, {6, 1})));  // no elements
+  EXPECT_TRUE(expanded(v(0, {4, 6}, {0, 1})));
+  EXPECT_FALSE(expanded(v(0, {1, 6}, {0, 1})));
+  test::expect_error([&] { check_not_expanded("op", v(0, {4, 6}, {0, 1}), "out"); },
+                     "op: out is expanded (a stride of 0 along a dim of more than one element): every output element "
+                     "must have memory of its own, got strides [0, 1]");
 }
 
 }  // namespace
