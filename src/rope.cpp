@@ -76,15 +76,28 @@ bool same_view(const TensorView& a, const TensorView& b) {
   return true;
 }
 
-// An output is either the very same view as its input (in place) or shares no memory with it.
+// An output is either the very same view as its input (in place) or shares no element with it, and
+// is never expanded.
 void check_alias(const TensorView& in, const TensorView& out, const char* in_name, const char* out_name,
                  const char* op) {
+  check_not_expanded(op, out, out_name);
   if (in.numel() == 0 || same_view(in, out)) return;
-  uintptr_t a0, a1, b0, b1;
-  byte_range(in, a0, a1);
-  byte_range(out, b0, b1);
-  MMFUSE_CHECK(a1 <= b0 || b1 <= a0, op, ": ", out_name, " partially overlaps ", in_name,
+  MMFUSE_CHECK(!views_overlap(in, out), op, ": ", out_name, " partially overlaps ", in_name,
                "; pass the same tensor (in place) or a separate one");
+}
+
+// Across q and k: in place, q and k must be separate (else their shared elements would rotate twice);
+// out of place, neither output may meet the other input or the other output.
+void check_qk_cross(const TensorView& q, const TensorView& k, const TensorView& q_out, const TensorView& k_out,
+                    const char* op) {
+  if (same_view(q, q_out) && same_view(k, k_out)) {
+    MMFUSE_CHECK(!views_overlap(q, k), op, ": q and k share memory: rotated in place, the shared elements would ",
+                 "rotate twice; pass separate tensors (or separate outputs)");
+    return;
+  }
+  check_no_overlap(op, q_out, "q_out", k, "k");
+  check_no_overlap(op, k_out, "k_out", q, "q");
+  check_no_overlap(op, k_out, "k_out", q_out, "q_out");
 }
 
 void check_qk_out(const TensorView& x, const TensorView& out, const char* xn, const char* on, const char* op) {
@@ -257,6 +270,12 @@ void mrope(const TensorView& q_in, const TensorView& k_in, const RopeAngles& a_i
                  shape_str(f));
     a.freqs = v;
   }
+
+  if (k_in.defined()) check_qk_cross(q_in, k_in, q_out_in, k_out_in, op);
+  for (const TensorView* out : {&q_out_in, &k_out_in})
+    check_outputs_separate(op, {{out, out == &q_out_in ? "q_out" : "k_out"}},
+                           {{&a_in.cos, "cos"}, {&a_in.sin, "sin"}, {&a_in.positions, "positions"},
+                            {&a_in.inv_freq, "inv_freq"}, {&a_in.freqs, "freqs"}});
 
   if (B * L == 0 || q.shape[2] + k.shape[2] == 0) return;
   if (dev.type == DeviceType::kCPU) return detail::mrope_cpu(q, k, a, p, q_out, k_out);

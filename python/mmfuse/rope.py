@@ -109,12 +109,21 @@ def mrope_(
     """In-place :func:`mrope` (``backward=True`` applies the adjoint, i.e. the gradient map).
 
     The schema marks ``q`` and ``k`` as mutated (``Tensor(a!)``), so ``torch.compile`` orders it
-    correctly. Not differentiable: use :func:`mrope` where autograd is needed.
+    correctly, and their version counters move, so that autograd refuses a stale saved copy. Not
+    differentiable: with grad mode on, q or k requiring grad is an error (the rotation's gradient would
+    be lost; use :func:`mrope`). q and k must not share memory (their shared elements would rotate
+    twice), nor be expanded.
     """
     if qk_layout not in _LAYOUTS:
         raise ValueError(f"mmfuse.mrope_: qk_layout: expected one of {_LAYOUTS}, got {qk_layout!r}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k)):
+        raise RuntimeError("mmfuse.mrope_: q or k requires grad, and the in-place rotation is not differentiable "
+                           "(its gradient would be lost): use mmfuse.mrope, or call mrope_ under torch.no_grad()")
     _mrope_inplace(q, k, cos, sin, positions, inv_freq, mrope_section or (), interleaved, numerics, backward,
                    qk_layout == "bhld")
+    for t in (q, k):
+        if t is not None:
+            torch.autograd.graph.increment_version(t)
 
 
 def vision_rope(q: Tensor, k: Tensor, freqs: Tensor) -> Tuple[Tensor, Tensor]:

@@ -384,3 +384,45 @@ def test_direct_entry_point_is_the_same_op(device):
         assert not rope._direct(q, k, None, None, pos, inv)
         mmfuse.mrope(q.detach(), k, positions=pos, inv_freq=inv, mrope_section=sec)
     assert torch.ops.mmfuse.mrope.default in seen
+
+
+# Aliasing and overlap (the in-place rule): errors naming the problem, nothing written first.
+def test_inplace_aliasing_is_an_error():
+    B, H, L, D = 1, 2, 6, 16
+    pos = make_positions(B, L, "cpu")
+    inv = inv_freq_of(D, "cpu")
+    kw = dict(positions=pos, inv_freq=inv, mrope_section=[2, 3, 3])
+    x = torch.randn(B, H, L, D)
+    before = x.clone()
+    with pytest.raises(ValueError, match="q and k share memory: rotated in place, the shared elements would rotate"):
+        mmfuse.mrope_(x, x, **kw)
+    assert torch.equal(x, before)  # nothing written
+    buf = torch.randn(B, 3, L, D)
+    with pytest.raises(ValueError, match="q and k share memory"):
+        mmfuse.mrope_(buf[:, :2], buf[:, 1:3], **kw)  # overlapping head ranges
+    with pytest.raises(ValueError, match=r"q_out is expanded \(a stride of 0 along a dim of more than one element\)"):
+        mmfuse.mrope_(torch.randn(B, 1, L, D).expand(B, H, L, D), torch.randn(B, H, L, D), **kw)
+    with pytest.raises(RuntimeError, match="q or k requires grad, and the in-place rotation is not differentiable"):
+        mmfuse.mrope_(torch.randn(B, H, L, D, requires_grad=True), torch.randn(B, H, L, D), **kw)
+    # q and k as head slices of one fused buffer are separate: in place is fine
+    qkv = torch.randn(B, L, 5, D)
+    want = mmfuse.mrope(qkv[:, :, :3], qkv[:, :, 3:], qk_layout="blhd", **kw)
+    mmfuse.mrope_(qkv[:, :, :3], qkv[:, :, 3:], qk_layout="blhd", **kw)
+    assert torch.equal(qkv[:, :, :3], want[0]) and torch.equal(qkv[:, :, 3:], want[1])
+    # the seed's rope with its outputs swapped
+    q, k = torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+    cos, sin = hf_tables(pos, inv, torch.float32)
+    with pytest.raises(ValueError, match="q_out overlaps k"):
+        mmfuse.backend.rope(q, k, cos, sin, k, q, [4, 6, 6])
+
+
+def test_inplace_moves_the_version_counter():
+    B, H, L, D = 1, 2, 6, 16
+    kw = dict(positions=make_positions(B, L, "cpu"), inv_freq=inv_freq_of(D, "cpu"), mrope_section=[2, 3, 3])
+    a = torch.randn(B, H, L, D, requires_grad=True)
+    y = a * 2
+    z = y * y  # saves y
+    with torch.no_grad():
+        mmfuse.mrope_(y, torch.randn(B, H, L, D), **kw)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
