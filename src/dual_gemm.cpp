@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common/dispatch.h"
+#include "common/overlap.h"
 
 namespace mmfuse {
 namespace {
@@ -67,6 +68,9 @@ void dual_gemm_check(const TensorView& a0, const TensorView& w0, const TensorVie
   check_expert(op, 1, a1, w1, out1, o, in, dev);
   MMFUSE_CHECK(dev.type == DeviceType::kCPU || in != DType::kFloat64, op,
                ": a0: float64 is CPU only (for gradcheck)");
+  // an output written over an input, or both outputs in one tensor, would be read after written
+  check_outputs_separate(op, {{&out0, "out0"}, {&out1, "out1"}},
+                         {{&a0, "a0"}, {&w0, "w0"}, {&a1, "a1"}, {&w1, "w1"}});
 }
 
 void dual_gemm(const TensorView& a0, const TensorView& w0, TensorView& out0, const TensorView& a1,

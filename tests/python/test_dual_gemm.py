@@ -319,3 +319,16 @@ def test_backward_of_sum_with_an_empty_expert(device):
     x = torch.randn(7, 16, device=device, requires_grad=True)
     mlp(x, torch.tensor([0, 1, 0, 0, 1, 1, 0], device=device), num_tokens0=4).sum().backward()
     assert x.grad.shape == x.shape and all(p.grad is not None for p in mlp.parameters())
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_outputs_that_overlap_are_an_error(device):
+    a, w = torch.randn(6, 4, device=device), torch.randn(4, 4, device=device)
+    out = torch.empty(6, 4, device=device)
+    with pytest.raises(ValueError, match="out0 overlaps a0"):
+        mmfuse.dual_gemm_out(a, w, a.clone(), w, a, out)
+    with pytest.raises(ValueError, match="out1 overlaps out0"):
+        mmfuse.dual_gemm_out(a, w, a, w, out, out)  # one tensor for both outputs would lose expert 0
+    big = torch.empty(12, 4, device=device)
+    mmfuse.dual_gemm_out(a, w, a, w, big[:6], big[6:])  # two halves of one buffer are separate
+    assert torch.equal(big[:6], big[6:]) and torch.allclose(big[:6], a @ w)
