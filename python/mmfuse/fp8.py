@@ -69,6 +69,8 @@ def fp8_quantize(x: Tensor, state: Optional[Tensor] = None, *, rowwise: bool = T
     """
     if dtype not in (E4M3, E5M2):
         raise ValueError(f"mmfuse.fp8_quantize: dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"mmfuse.fp8_quantize: x: expected a tensor of at least 1 dim [..., C], got a 0-d tensor")
     if state is None:
         state = new_state(1, x.device)
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
@@ -143,6 +145,8 @@ class _Fp8LinearFn(torch.autograd.Function):
 
 
 def _check_linear(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"{op}: x: expected a floating-point tensor (as nn.Linear), got {x.dtype}")
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         raise ValueError(f"{op}: x and weight: expected bfloat16, got {x.dtype} and {weight.dtype}")
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -188,6 +192,16 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, x_st
     if grad_dtype not in (E4M3, E5M2):
         raise ValueError(f"mmfuse.fp8_linear: grad_dtype: expected torch.float8_e5m2 or torch.float8_e4m3fn, got "
                          f"{grad_dtype}")
+    n, k = weight.shape
+    if weight_fp8 is not None:
+        want = {"q": (_pad16(n), _pad16(k)), "qt": (_pad16(k), _pad16(n))}
+        for name, t in (("q", weight_fp8.q), ("qt", weight_fp8.qt)):
+            if t is not None and t.numel() and tuple(t.shape) != want[name]:
+                raise ValueError(f"mmfuse.fp8_linear: weight_fp8: its {name} is {tuple(t.shape)}, expected {want[name]} "
+                                 f"for a weight of {(n, k)}: a cache of another weight")
+    if main_grad is not None and (tuple(main_grad.shape) != (n, k) or main_grad.dtype != torch.float32):
+        raise ValueError(f"mmfuse.fp8_linear: main_grad: expected float32 {(n, k)} (the weight's shape), got "
+                         f"{main_grad.dtype} {tuple(main_grad.shape)}")
     dev = x.device
     x_state = new_state(1, dev) if x_state is None else x_state
     w_state = new_state(1, dev) if w_state is None else w_state
@@ -227,6 +241,10 @@ def fp8_mm(a: Tensor, b: Tensor, sx: Tensor, sw: Tensor) -> Tensor:
         a = _pad(a, a.shape[0])
     if k % 16 or n % 16 or not b.is_contiguous():
         b = _pad(b, _pad16(n))
+    for name, t in (("sx", sx), ("sw", sw)):
+        if t.numel() != 1:
+            raise ValueError(f"mmfuse.fp8_mm: {name}: expected one scalar scale (a tensor of 1 element), got shape "
+                             f"{tuple(t.shape)}")
     sx = sx.to(torch.float32).reshape(1)
     sw = sw.to(torch.float32).reshape(1)
     return torch.ops.mmfuse.fp8_gemm(a, b, sx, sw, None, True, False)[:, :n]
@@ -259,6 +277,9 @@ def fp8_linear_backward(g: Tensor, x: Tensor, w: Tensor, masks: Sequence[bool]) 
     if len(masks) != 3:
         raise ValueError(f"mmfuse.fp8_linear_backward: masks: expected 3 bools (dx, dw, db), got {list(masks)}")
     _check_linear("mmfuse.fp8_linear_backward", x, w, None)
+    if tuple(g.shape) != tuple(x.shape[:-1]) + (w.shape[0],):
+        raise ValueError(f"mmfuse.fp8_linear_backward: g: expected shape {tuple(x.shape[:-1]) + (w.shape[0],)} (x's "
+                         f"leading dims and w's N), got {tuple(g.shape)}")
     need_dx, need_dw, need_db = (bool(m) for m in masks)
     dev = x.device
     x2 = x.reshape(-1, x.shape[-1])

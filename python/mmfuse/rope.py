@@ -35,6 +35,18 @@ def _direct(q, k, cos, sin, positions, inv_freq) -> bool:
             and _plain(positions) and _plain(inv_freq) and not _tf_mode() and not _is_compiling())
 
 
+def _check_layout(op: str, q: Tensor, k: Optional[Tensor], qk_layout: str) -> None:
+    """q and k of the rank their layout has: 4-D for "bhld" / "blhd", 3-D for "thd"."""
+    if qk_layout not in _LAYOUTS:
+        raise ValueError(f"{op}: qk_layout: expected one of {_LAYOUTS}, got {qk_layout!r}")
+    want = 3 if qk_layout == "thd" else 4
+    dims = {"bhld": "[B, H, L, D]", "blhd": "[B, L, H, D]", "thd": "[T, H, D]"}[qk_layout]
+    for name, t in (("q", q), ("k", k)):
+        if t is not None and t.dim() != want:
+            raise ValueError(f"{op}: {name}: expected a {want}-D tensor {dims} (qk_layout={qk_layout!r}), got "
+                             f"{t.dim()}-D {tuple(t.shape)}")
+
+
 def mrope(
     q: Tensor,
     k: Tensor,
@@ -84,8 +96,7 @@ def mrope(
         ``(q_out, k_out)``, new tensors of the shapes and layouts of ``q`` and ``k``. Differentiable in
         ``q`` and ``k``; the angles must not require grad.
     """
-    if qk_layout not in _LAYOUTS:
-        raise ValueError(f"mmfuse.mrope: qk_layout: expected one of {_LAYOUTS}, got {qk_layout!r}")
+    _check_layout("mmfuse.mrope", q, k, qk_layout)
     section = list(mrope_section) if mrope_section else []
     if _direct(q, k, cos, sin, positions, inv_freq):
         return _fast_mrope(q, k, cos, sin, positions, inv_freq, section, interleaved, numerics, qk_layout == "bhld")
@@ -114,8 +125,7 @@ def mrope_(
     be lost; use :func:`mrope`). q and k must not share memory (their shared elements would rotate
     twice), nor be expanded.
     """
-    if qk_layout not in _LAYOUTS:
-        raise ValueError(f"mmfuse.mrope_: qk_layout: expected one of {_LAYOUTS}, got {qk_layout!r}")
+    _check_layout("mmfuse.mrope_", q, k, qk_layout)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k)):
         raise RuntimeError("mmfuse.mrope_: q or k requires grad, and the in-place rotation is not differentiable "
                            "(its gradient would be lost): use mmfuse.mrope, or call mrope_ under torch.no_grad()")

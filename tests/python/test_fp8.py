@@ -608,3 +608,25 @@ def _amax_worker(rank, world, port, out_dir):
 # histories (the maximum), so every rank quantizes its next call with the same scale.
 def test_amax_histories_reduced_across_gloo_ranks(tmp_path):
     _spawn_gloo(_amax_worker, tmp_path)
+
+
+# Silent misuse and unclear errors (issue 46): each a clear error naming the argument.
+def test_misuse_is_an_error():
+    x = torch.randn(8, 32).bfloat16()
+    w = torch.randn(16, 32).bfloat16()
+    with pytest.raises(ValueError, match="fp8_quantize: x: expected a tensor of at least 1 dim"):
+        fp8.fp8_quantize(torch.tensor(1.0))
+    a = torch.randn(4, 32).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"fp8_mm: sx: expected one scalar scale \(a tensor of 1 element\), got shape \(3,\)"):
+        fp8.fp8_mm(a, a, torch.ones(3), torch.ones(1))
+    with pytest.raises(ValueError, match=r"fp8_linear_backward: g: expected shape \(8, 16\)"):
+        fp8.fp8_linear_backward(torch.randn(8, 15).bfloat16(), x, w, [True, True, False])
+    with pytest.raises(TypeError, match="x: expected a floating-point tensor"):
+        Fp8Linear(32, 16, dtype=torch.bfloat16)(torch.ones(8, 32, dtype=torch.long))
+    with pytest.raises(ValueError, match="model is an nn.Linear itself"):
+        convert_to_fp8(torch.nn.Linear(32, 16))
+    _, cache = fp8.fp8_linear(x, w, return_weight_fp8=True)
+    with pytest.raises(ValueError, match="weight_fp8: its q is .* for a weight of \\(32, 32\\): a cache of another weight"):
+        fp8.fp8_linear(x, torch.randn(32, 32).bfloat16(), weight_fp8=cache)
+    with pytest.raises(ValueError, match=r"main_grad: expected float32 \(16, 32\)"):
+        fp8.fp8_linear(x, w.requires_grad_(), main_grad=torch.zeros(16, 31))

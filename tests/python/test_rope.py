@@ -426,3 +426,13 @@ def test_inplace_moves_the_version_counter():
         mmfuse.mrope_(y, torch.randn(B, H, L, D), **kw)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         z.sum().backward()
+
+
+def test_rank_of_q_must_match_the_layout():
+    q = torch.randn(6, 2, 16)
+    with pytest.raises(ValueError, match=r"mrope: q: expected a 4-D tensor \[B, H, L, D\] \(qk_layout='bhld'\), got 3-D"):
+        mmfuse.mrope(q, q, positions=torch.zeros(3, 6, dtype=torch.long), inv_freq=inv_freq_of(16, "cpu"),
+                     mrope_section=[2, 3, 3])
+    with pytest.raises(ValueError, match=r"mrope_: k: expected a 3-D tensor \[T, H, D\] \(qk_layout='thd'\), got 4-D"):
+        mmfuse.mrope_(q, torch.randn(1, 6, 2, 16), positions=torch.zeros(3, 6, dtype=torch.long),
+                      inv_freq=inv_freq_of(16, "cpu"), mrope_section=[2, 3, 3], qk_layout="thd")

@@ -84,6 +84,8 @@ class Fp8Linear(torch.nn.Linear):
         return not self.fallback or _fp8.fp8_pays(m, self.out_features, self.in_features)
 
     def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
+        if not x.is_floating_point():
+            raise TypeError(f"Fp8Linear: x: expected a floating-point tensor (as nn.Linear), got {x.dtype}")
         if not self._uses_fp8(x):
             return F.linear(x, self.weight, self.bias)
         bf = torch.bfloat16
@@ -145,7 +147,11 @@ def convert_to_fp8(model: torch.nn.Module, filter_fn: Optional[Callable[[str, to
                    **kwargs) -> torch.nn.Module:
     """Replaces, in place, every ``nn.Linear`` of ``model`` (its fully qualified name and the module
     passed to ``filter_fn``, all of them when None) by an :class:`Fp8Linear` sharing its parameters;
-    ``kwargs`` go to Fp8Linear. Returns ``model``."""
+    ``kwargs`` go to Fp8Linear. Returns ``model``. A bare ``nn.Linear`` cannot be replaced in place:
+    it is an error (use :meth:`Fp8Linear.from_linear`)."""
+    if type(model) is torch.nn.Linear:
+        raise ValueError("convert_to_fp8: model is an nn.Linear itself, which cannot be replaced in place: use "
+                         "Fp8Linear.from_linear(model) (or pass the module that holds it)")
     for name, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
             full = f"{name}.{child_name}" if name else child_name
