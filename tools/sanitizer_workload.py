@@ -83,5 +83,19 @@ if os.environ.get("MMFUSE_SANITIZER_TOOL") != "racecheck":
                                lin.weight.detach(), (True, True, True))
         row = mmfuse.nn.Fp8Linear(k_in, n_out, device="cuda", dtype=torch.bfloat16, fallback=False, recipe="row")
         row(xl.requires_grad_()).float().sum().backward()
+# the layer chain: residual add + RMSNorm (every grouping, odd and model widths, a streamed row) and
+# SwiGLU, forward and backward
+for T, H, L, S, dt in ((21, 96, 7, 3, torch.bfloat16), (40, 2048, 10, 8, torch.bfloat16), (8, 33, 4, 1, torch.float32),
+                       (2, 70000, 2, 1, torch.float16)):
+    xr = torch.randn(T, H, device="cuda", dtype=dt, requires_grad=True)
+    rr = torch.randn(T, H, device="cuda", dtype=dt, requires_grad=True)
+    wr = torch.randn(H, device="cuda", dtype=dt, requires_grad=True)
+    for xg, og in ((False, False), (True, False), (False, True), (True, True)):
+        o, hh = mmfuse.rms_norm(xr, wr, 1e-6, rr, grouping=(L, S), x_grouped=xg, out_grouped=og)
+        (o.float().sum() + hh.float().sum()).backward()
+    mmfuse.rms_norm(xr, wr, 1e-6).float().sum().backward()
+for T, inter, dt in ((37, 13, torch.bfloat16), (70, 2752, torch.float16), (5, 8, torch.float32)):
+    gu = torch.randn(T, 2 * inter, device="cuda", dtype=dt, requires_grad=True)
+    mmfuse.swiglu(gu).float().sum().backward()
 torch.cuda.synchronize()
 print("sanitizer workload done")
