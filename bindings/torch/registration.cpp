@@ -122,3 +122,14 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.def("swiglu(Tensor gate_up) -> Tensor");
   m.def("swiglu_backward(Tensor dy, Tensor gate_up, bool recompute=True) -> (Tensor, Tensor)");
 }
+
+// Fused linear cross-entropy (python/mmfuse/linear_cross_entropy.py, where its CPU and CUDA
+// implementations are, as chunks of GEMMs and reductions): (loss: a scalar, or [T] with
+// reduction="none"; and with compute_grads for "mean" / "sum" the gradients d_hidden, d_weight (fp32),
+// d_bias (fp32), else empty). softcap 0: none.
+TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
+  m.set_python_module("mmfuse.linear_cross_entropy");
+  m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, int ignore_index, "
+        "str reduction, float label_smoothing, float z_loss, float softcap, int chunk_tokens, bool compute_grads) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+}

@@ -1,6 +1,7 @@
 """mmfuse-bench: the benchmark CLI (the main job).
 
-    mmfuse-bench [rope] [positions] [moe] [gemm] [fp8] [rms_norm] [swiglu] [train] [--quick] [--json FILE]
+    mmfuse-bench [rope] [positions] [moe] [gemm] [fp8] [rms_norm] [swiglu] [linear_cross_entropy] [train]
+                 [--quick] [--json FILE]
                  [train options]
     mmfuse-bench report [--results DIR] [--out FILE]
 
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 
-_FAMILIES = ["rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu", "train"]
+_FAMILIES = ["rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu", "linear_cross_entropy", "train"]
 
 
 def _commit() -> str:
@@ -80,7 +81,7 @@ def _run(args) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from . import fp8, gemm, moe, positions, rms_norm, rope, swiglu, train
+    from . import fp8, gemm, linear_cross_entropy, moe, positions, rms_norm, rope, swiglu, train
 
     def run_train(dev, quick):
         if args.nproc > 1 or "WORLD_SIZE" in os.environ:
@@ -92,7 +93,8 @@ def _run(args) -> int:
                          compile=not args.no_compile, quick=quick)
 
     runners = {"rope": rope.run, "positions": positions.run, "moe": moe.run, "gemm": gemm.run, "fp8": fp8.run,
-               "rms_norm": rms_norm.run, "swiglu": swiglu.run, "train": run_train}
+               "rms_norm": rms_norm.run, "swiglu": swiglu.run, "linear_cross_entropy": linear_cross_entropy.run,
+               "train": run_train}
     header = _header(device)
     print(f"mmfuse-bench on {header['device']} (torch {header['torch']}, CUDA {header['cuda']}, "
           f"commit {header['commit']})", flush=True)

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Callable, Dict, List, Optional, Tuple
 
-_FAMILIES = ("train", "rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu")
+_FAMILIES = ("train", "rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu", "linear_cross_entropy")
 
 
 def _f(v, fmt: str = "{:.1f}") -> str:
@@ -106,6 +106,14 @@ def _train(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
     return header, rows, (title, "ms / step", bars)
 
 
+def _lce(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
+    header = ["variant", "ms (fwd + bwd)", "peak extra GiB", "loss", "verified"]
+    rows = [[r["name"], _f(r.get("us") and r["us"] / 1e3, "{:.2f}"), _f(r.get("peak_gib"), "{:.2f}"),
+             _f(r["loss"], "{:.5f}"), r.get("verified", "")] for r in res.get("rows", [])]
+    bars = [(r["name"], r["peak_gib"]) for r in res.get("rows", []) if r.get("peak_gib") is not None]
+    return header, rows, ("linear cross-entropy: peak extra memory of forward + backward", "GiB", bars)
+
+
 _VIEWS: Dict[str, Callable[[dict], Tuple[List[str], List[List[str]], Plot]]] = {
     "rope": lambda res: _bandwidth("rope", res),
     "moe": lambda res: _bandwidth("moe", res),
@@ -115,6 +123,7 @@ _VIEWS: Dict[str, Callable[[dict], Tuple[List[str], List[List[str]], Plot]]] = {
     "gemm": _gemm,
     "fp8": _fp8,
     "train": _train,
+    "linear_cross_entropy": _lce,
 }
 
 
@@ -184,6 +193,14 @@ def _summary_line(fam: str, res: dict) -> Optional[str]:
     if fam == "fp8":
         fb = [r for r in rows if r.get("pass_") == "fwd+bwd"]
         return f"fwd+bwd {rng([r.get('auto_share') or r.get('share') for r in fb], '{:.2f}')} of the bf16 time"
+    if fam == "linear_cross_entropy":
+        by = {r["name"]: r for r in rows}
+        ours, eager, comp = (by.get(k) for k in ("mmfuse.linear_cross_entropy", "F.linear + cross_entropy, eager",
+                                                  "same, torch.compile"))
+        if ours and eager and comp and ours.get("us"):
+            return (f"{comp['us'] / ours['us']:.2f}x compiled PyTorch's time, {ours['peak_gib'] / eager['peak_gib']:.3f}x "
+                    f"eager PyTorch's peak memory")
+        return None
     if fam == "train":
         by = {r["variant"]: r for r in rows}
         parts = []

@@ -1,0 +1,74 @@
+"""``mmfuse-bench linear_cross_entropy``: fused linear cross-entropy at an LM head's shapes (bf16, T =
+16384 tokens of hidden 2048, Qwen2.5-VL's vocabulary of 151936), forward + backward, against
+``F.linear`` + ``F.cross_entropy`` in eager PyTorch and under torch.compile, and against the same
+chunked in plain PyTorch: time and the peak memory the step adds."""
+
+import torch
+import torch.nn.functional as F
+
+import mmfuse
+
+from .common import time_us
+
+
+def _torch(h, w, y):
+    return F.cross_entropy(F.linear(h, w).float(), y)
+
+
+def _torch_chunked(h, w, y, chunk=1024):
+    """The usual memory fix in PyTorch: the loss a chunk at a time, each chunk checkpointed."""
+    from torch.utils.checkpoint import checkpoint
+
+    n = (y != -100).sum().clamp_min(1)
+    total = 0.0
+    for i in range(0, h.shape[0], chunk):
+        total = total + checkpoint(lambda a, b: F.cross_entropy(F.linear(a, w).float(), b, reduction="sum"),
+                                   h[i:i + chunk], y[i:i + chunk], use_reentrant=False)
+    return total / n
+
+
+def run(device: str, quick: bool = False) -> dict:
+    T, H, V = (16384, 2048, 151936) if device == "cuda" else (256, 64, 1000)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(T, H, device=device, dtype=dt, generator=g)
+    w = (torch.randn(V, H, device=device, dtype=dt, generator=g) / H ** 0.5)
+    y = torch.randint(0, V, (T,), device=device, generator=g)
+    it = dict(iters=5 if quick else 10, warmup=2)
+    compiled = torch.compile(_torch)
+    variants = [("F.linear + cross_entropy, eager", _torch), ("same, torch.compile", compiled),
+                ("chunked PyTorch (checkpointed)", _torch_chunked),
+                ("mmfuse.linear_cross_entropy", lambda a, b, c: mmfuse.linear_cross_entropy(a, b, c))]
+    rows = []
+    want = None
+    print(f"\n## linear_cross_entropy (T {T}, H {H}, V {V}, {str(dt).replace('torch.', '')}; forward + backward)")
+    for name, fn in variants:
+        hs, ws = h.detach().requires_grad_(), w.detach().requires_grad_()
+
+        def step():
+            hs.grad = ws.grad = None
+            loss = fn(hs, ws, y)
+            loss.backward()
+            return loss
+
+        loss = float(step().detach())
+        want = loss if want is None else want
+        row = dict(name=name, loss=loss, verified="close" if abs(loss - want) <= 1e-2 * abs(want) else "FAIL")
+        if device == "cuda":
+            row["us"] = time_us(step, device, **it)[0]
+            hs.grad = ws.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            row["peak_gib"] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+            print(f"| {name:<34} | {row['us'] / 1e3:8.2f} ms | peak +{row['peak_gib']:6.2f} GiB | loss {loss:.5f} | "
+                  f"{row['verified']} |", flush=True)
+        rows.append(row)
+    if device == "cuda":
+        base = {r["name"]: r for r in rows}
+        ours = rows[-1]
+        print(f"linear_cross_entropy: {base['same, torch.compile']['us'] / ours['us']:.2f}x compiled PyTorch's time, "
+              f"{ours['peak_gib'] / base['F.linear + cross_entropy, eager']['peak_gib']:.3f}x eager PyTorch's peak memory")
+    return dict(rows=rows, all_verified=all(r["verified"] == "close" for r in rows))

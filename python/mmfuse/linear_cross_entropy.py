@@ -1,0 +1,205 @@
+"""Fused linear cross-entropy: ``cross_entropy(hidden @ weight^T + bias, labels)`` and its gradients
+without ever holding the ``[T, V]`` logits.
+
+The tokens go in chunks: each chunk's logits (fp32 accumulation, fp32 out) are reduced to its loss
+and log-sum-exp and turned into their gradient in place, which is folded into ``d_hidden`` and
+(accumulated in fp32) ``d_weight`` right away. With ``reduction="mean"`` or ``"sum"`` the gradients
+are computed in the forward (the backward only scales them by the incoming gradient: three GEMMs in
+all, as an unfused step); with ``"none"`` the backward recomputes each chunk's logits and weighs the
+rows by the incoming per-token gradient. Peak extra memory: one chunk's fp32 logits plus the fp32
+weight gradient.
+
+CPU and CUDA (the GEMMs are mmfuse's dual GEMM, bf16 / fp16 in with fp32 out on the GPU); a
+registered op (``torch.ops.mmfuse.linear_cross_entropy``) with a fake kernel and autograd.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _lib  # noqa: F401  (registers the ops)
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _logits(h: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    """h [C, H] @ w[V, H]^T (+ b) in fp32: fp32 accumulation, fp32 out."""
+    if h.dtype in (torch.float32, torch.float64):
+        z = h @ w.t()
+    else:
+        z = torch.ops.mmfuse.dual_gemm(h, w, h[:0], w, False, True, True)[0]
+    return z if b is None else z + b.float()
+
+
+def _chunk_grad(z: Tensor, y: Tensor, valid: Tensor, label_smoothing: float, z_loss: float, softcap: float):
+    """For fp32 logits z [C, V] (raw, before the softcap) and labels y [C]: (the per-token loss [C] and
+    the gradient of the per-token loss w.r.t. z, in z's storage). Rows not `valid` get loss 0 and
+    gradient 0."""
+    V = z.shape[1]
+    if softcap > 0:
+        t = torch.tanh(z / softcap)
+        zc = softcap * t
+    else:
+        zc = z
+    lse = torch.logsumexp(zc, dim=1)
+    yc = y.clamp(0, V - 1)
+    picked = zc.gather(1, yc[:, None])[:, 0]
+    loss = (1 - label_smoothing) * (lse - picked)
+    if label_smoothing > 0:
+        loss = loss + label_smoothing * (lse - zc.mean(dim=1))
+    if z_loss > 0:
+        loss = loss + z_loss * lse.square()
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    # d loss / d zc = softmax * (1 + 2 z_loss lse) - (1 - eps) onehot - eps / V
+    g = torch.exp(zc - lse[:, None])
+    if z_loss > 0:
+        g = g * (1 + 2 * z_loss * lse)[:, None]
+    if label_smoothing > 0:
+        g = g - label_smoothing / V
+    g.scatter_add_(1, yc[:, None], torch.full_like(lse[:, None], -(1 - label_smoothing)))
+    if softcap > 0:
+        g = g * (1 - t.square())
+    g = g * valid[:, None].to(g.dtype)
+    return loss, g
+
+
+def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk, row_weight,
+            need_grads):
+    """One pass over the token chunks: the per-token losses [T] (fp32), and where need_grads the
+    gradients of sum_t row_weight[t] * loss[t] (d_hidden in hidden's dtype, d_weight and d_bias fp32)."""
+    T, H = hidden.shape
+    V = weight.shape[0]
+    losses = torch.empty(T, dtype=torch.float32, device=hidden.device)
+    dh = torch.empty_like(hidden) if need_grads else hidden.new_empty(0, H)
+    dw = torch.zeros(V, H, dtype=torch.float32, device=hidden.device) if need_grads else hidden.new_empty(0, H,
+                                                                                                          dtype=torch.float32)
+    db = torch.zeros(V, dtype=torch.float32, device=hidden.device) if need_grads and bias is not None \
+        else hidden.new_empty(0, dtype=torch.float32)
+    for i in range(0, T, chunk):
+        h = hidden[i:i + chunk]
+        y = labels[i:i + chunk]
+        valid = y != ignore_index
+        z = _logits(h, weight, bias)
+        loss, g = _chunk_grad(z, y, valid, label_smoothing, z_loss, softcap)
+        losses[i:i + chunk] = loss
+        if not need_grads:
+            continue
+        g = g * row_weight[i:i + chunk, None] if row_weight.dim() else g * row_weight
+        if bias is not None:
+            db += g.sum(0)
+        gd = g.to(hidden.dtype)
+        dh[i:i + chunk] = gd @ weight
+        if hidden.dtype in (torch.float32, torch.float64):
+            dw += (gd.t() @ h).to(dw.dtype)
+        else:  # fp32 accumulation into dw: the dual GEMM's accumulate (g^T @ h)
+            empty = gd[:0, :0]
+            torch.ops.mmfuse.dual_gemm_out(gd, h, empty, empty, dw, dw[:0, :0], True, False, True)
+    return losses, dh, dw, db
+
+
+def _check(hidden, weight, labels, bias, reduction, label_smoothing, z_loss, softcap, chunk):
+    op = "mmfuse.linear_cross_entropy"
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"{op}: expected hidden [T, H] and weight [V, H] with the same H, got {tuple(hidden.shape)} "
+                         f"and {tuple(weight.shape)}")
+    if not hidden.is_floating_point() or weight.dtype != hidden.dtype:
+        raise ValueError(f"{op}: weight: expected dtype {hidden.dtype} (that of hidden), got {weight.dtype}")
+    if labels.dim() != 1 or labels.shape[0] != hidden.shape[0] or labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{op}: labels: expected int64 [{hidden.shape[0]}], got {labels.dtype} {tuple(labels.shape)}")
+    if bias is not None and (bias.dtype != hidden.dtype or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"{op}: bias: expected {hidden.dtype} [{weight.shape[0]}], got {bias.dtype} {tuple(bias.shape)}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{op}: reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0 <= label_smoothing < 1 or z_loss < 0 or softcap < 0 or chunk < 1:
+        raise ValueError(f"{op}: expected 0 <= label_smoothing < 1, z_loss >= 0, logit_softcap > 0 or None and "
+                         f"chunk_tokens >= 1, got {label_smoothing}, {z_loss}, {softcap}, {chunk}")
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, logit_softcap: Optional[float] = None,
+                         chunk_tokens: int = 1024) -> Tensor:
+    r"""``F.cross_entropy(F.linear(hidden, weight, bias).float(), labels)`` without the logits in memory.
+
+    Args:
+        hidden: ``[T, H]`` (or ``[..., H]``, flattened) bf16, fp16, fp32 (fp64 on the CPU).
+        weight: ``[V, H]``, hidden's dtype (an LM head: ``lm_head.weight``).
+        labels: ``[T]`` int64 (or hidden's leading shape); ``ignore_index`` entries add no loss and no
+            gradient.
+        bias: ``[V]`` or None.
+        reduction: ``"mean"`` (over the tokens not ignored), ``"sum"`` or ``"none"`` (per token, fp32).
+        label_smoothing: as ``F.cross_entropy``'s.
+        z_loss: adds ``z_loss * logsumexp(logits)^2`` a token (PaLM's auxiliary loss).
+        logit_softcap: ``softcap * tanh(logits / softcap)`` before the softmax (Gemma 2), or None.
+        chunk_tokens: tokens a chunk; peak extra memory is about ``chunk_tokens * V * 4`` bytes (one
+            chunk's fp32 logits) plus the fp32 weight gradient ``V * H * 4``.
+
+    Returns:
+        The loss (fp32): a scalar, or ``[T]`` with ``reduction="none"``. Differentiable in hidden,
+        weight and bias.
+    """
+    lead = hidden.shape[:-1]
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    y2 = labels.reshape(-1)
+    softcap = float(logit_softcap) if logit_softcap is not None else 0.0
+    _check(h2, weight, y2, bias, reduction, label_smoothing, z_loss, softcap, chunk_tokens)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    loss = torch.ops.mmfuse.linear_cross_entropy(h2, weight, y2.long(), bias, ignore_index, reduction,
+                                                 float(label_smoothing), float(z_loss), softcap, int(chunk_tokens),
+                                                 grads)[0]
+    return loss.view(lead) if reduction == "none" else loss
+
+
+def _impl(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk,
+          compute_grads):
+    """(loss, d_hidden, d_weight, d_bias): for mean / sum with compute_grads, the gradients of the loss;
+    else empty (with "none" the backward recomputes)."""
+    need = reduction != "none" and compute_grads
+    n_valid = (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
+    scale = 1.0 / n_valid if reduction == "mean" else torch.ones((), device=hidden.device)
+    with torch.no_grad():
+        losses, dh, dw, db = _passes(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
+                                     labels, ignore_index, label_smoothing, z_loss, softcap, chunk, scale, need)
+    loss = losses if reduction == "none" else (losses.sum() * scale)
+    return loss, dh, dw, db
+
+
+@torch.library.register_fake("mmfuse::linear_cross_entropy")
+def _fake(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk,
+          compute_grads):
+    T, H = hidden.shape
+    V = weight.shape[0]
+    loss = hidden.new_empty(T if reduction == "none" else (), dtype=torch.float32)
+    grads = reduction != "none" and compute_grads
+    return (loss, hidden.new_empty(T if grads else 0, H), hidden.new_empty(V if grads else 0, H, dtype=torch.float32),
+            hidden.new_empty(V if grads and bias is not None else 0, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk, _ = inputs
+    _, dh, dw, db = output
+    ctx.params = (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk)
+    ctx.has_bias = bias is not None
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, labels, bias)
+    else:
+        ctx.save_for_backward(dh, dw, db, weight, bias)
+
+
+def _backward(ctx, grad_loss, _gdh, _gdw, _gdb):
+    ignore_index, reduction, label_smoothing, z_loss, softcap, chunk = ctx.params
+    if reduction == "none":
+        hidden, weight, labels, bias = ctx.saved_tensors
+        with torch.no_grad():
+            _, dh, dw, db = _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk,
+                                    grad_loss.float(), True)
+        return dh, dw.to(weight.dtype), None, (db.to(bias.dtype) if ctx.has_bias else None), *([None] * 7)
+    dh, dw, db, weight, bias = ctx.saved_tensors
+    s = grad_loss.float()
+    return ((dh.float() * s).to(dh.dtype), (dw * s).to(weight.dtype), None,
+            (db * s).to(bias.dtype) if ctx.has_bias else None, *([None] * 7))
+
+
+torch.library.register_autograd("mmfuse::linear_cross_entropy", _backward, setup_context=_setup_context)
+torch.library.impl("mmfuse::linear_cross_entropy", ("cpu", "cuda"))(_impl)

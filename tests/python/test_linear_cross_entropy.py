@@ -1,0 +1,96 @@
+"""Fused linear cross-entropy against F.linear + F.cross_entropy in float64 (loss and gradients), for
+every reduction, ignore_index, label smoothing, z-loss, softcap and bias, chunks that do not divide
+the tokens; opcheck, torch.compile, CUDA against the CPU; bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mmfuse
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _reference(h, w, y, b, ignore_index, reduction, ls, z_loss, softcap):
+    z = F.linear(h, w, b)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    loss = F.cross_entropy(z, y, ignore_index=ignore_index, reduction="none", label_smoothing=ls)
+    if z_loss:
+        loss = loss + z_loss * torch.logsumexp(z, -1).square() * (y != ignore_index)
+    if reduction == "none":
+        return loss
+    return loss.sum() / ((y != ignore_index).sum().clamp_min(1) if reduction == "mean" else 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", [dict(), dict(ls=0.1), dict(z_loss=1e-3, softcap=30.0), dict(bias=True, ls=0.05)])
+def test_matches_float64(device, dtype, reduction, opts):
+    g = torch.Generator().manual_seed(len(reduction) + len(opts))
+    T, H, V = 37, 24, 101
+    h = torch.randn(T, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) / H ** 0.5).to(dtype)
+    b = (0.1 * torch.randn(V, generator=g)).to(dtype) if opts.get("bias") else None
+    y = torch.randint(0, V, (T,), generator=g)
+    y[::5] = -100
+    ls, zl, sc = opts.get("ls", 0.0), opts.get("z_loss", 0.0), opts.get("softcap", 0.0)
+    leaves = (h, w) + ((b,) if b is not None else ())
+    ins = [t.detach().to(device).requires_grad_() for t in leaves]
+    loss = mmfuse.linear_cross_entropy(ins[0], ins[1], y.to(device), ins[2] if b is not None else None,
+                                       reduction=reduction, label_smoothing=ls, z_loss=zl,
+                                       logit_softcap=sc or None, chunk_tokens=8)
+    gl = torch.randn(loss.shape, generator=g).to(device) if reduction == "none" else torch.tensor(1.7, device=device)
+    (loss * gl).sum().backward()
+    ref_ins = [t.detach().double().requires_grad_() for t in leaves]
+    ref = _reference(ref_ins[0], ref_ins[1], y, ref_ins[2] if b is not None else None, -100, reduction, ls, zl, sc)
+    (ref * gl.cpu().double()).sum().backward()
+    # bf16 operands: the logits are exact fp32 products of the rounded inputs; the gradients' GEMMs take
+    # the logits' gradient rounded to bf16 (2^-8 relative)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(loss.double().cpu(), ref.detach(), rtol=tol, atol=tol)
+    for got, want in zip(ins, ref_ins):
+        err = float((got.grad.double().cpu() - want.grad).norm() / want.grad.norm())
+        assert err <= (1e-5 if dtype == torch.float32 else 1.5e-2), err
+
+
+def test_all_tokens_ignored_and_no_grad_mode():
+    h, w = torch.randn(4, 8), torch.randn(11, 8)
+    y = torch.full((4,), -100)
+    assert float(mmfuse.linear_cross_entropy(h, w, y)) == 0.0
+    with torch.no_grad():
+        out = torch.ops.mmfuse.linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), None, -100, "mean", 0.0,
+                                                    0.0, 0.0, 2, False)
+    assert out[1].numel() == 0 and out[2].numel() == 0  # no gradients computed
+
+
+def test_opcheck_and_compile():
+    h = torch.randn(10, 16, requires_grad=True)
+    w = torch.randn(19, 16, requires_grad=True)
+    y = torch.randint(0, 19, (10,))
+    for red in ("mean", "none"):
+        torch.library.opcheck(torch.ops.mmfuse.linear_cross_entropy.default,
+                              (h, w, y, None, -100, red, 0.0, 0.0, 0.0, 4, red == "mean"))
+    fn = torch.compile(lambda a, b: mmfuse.linear_cross_entropy(a, b, y, chunk_tokens=3), fullgraph=True)
+    assert torch.allclose(fn(h, w), mmfuse.linear_cross_entropy(h, w, y, chunk_tokens=3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_matches_cpu():
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(300, 64, generator=g).bfloat16(), torch.randn(1000, 64, generator=g).bfloat16()
+    y = torch.randint(0, 1000, (300,), generator=g)
+    want = mmfuse.linear_cross_entropy(h, w, y, chunk_tokens=64)
+    got = mmfuse.linear_cross_entropy(h.cuda(), w.cuda(), y.cuda(), chunk_tokens=64)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_input():
+    h, w = torch.randn(4, 8), torch.randn(11, 8)
+    with pytest.raises(ValueError, match=r"labels: expected int64 \[4\]"):
+        mmfuse.linear_cross_entropy(h, w, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="weight: expected dtype torch.float32"):
+        mmfuse.linear_cross_entropy(h, w.double(), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="reduction: expected one of"):
+        mmfuse.linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), reduction="avg")
