@@ -15,6 +15,10 @@
 // gx is g where x_grouped, else the identity; go likewise with out_grouped. A VLA layer's experts
 // then read their tokens as two contiguous blocks, and write them back there, with no copy.
 //
+// Non-finite inputs give what HF's formula gives: an Inf in a row makes its mean square Inf, so the
+// row's finite entries normalize to 0 and the Inf to NaN; a NaN makes the row NaN; other rows are
+// untouched.
+//
 // Backward, given dout (in out's order) and optionally dh (the gradient of h from the residual
 // stream, natural order):
 //   gw = dout[go(t)] * weight,  xhat = h * rstd,

@@ -9,6 +9,7 @@
 //   d_gate_up[t, j]     = round(dy * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))))
 //   d_gate_up[t, I + j] = round(dy * s)
 // and, optionally, y recomputed (the down projection's weight gradient needs it): the forward's bits.
+// Non-finite inputs follow IEEE arithmetic, as F.silu(gate) * up does (silu(-inf) is NaN).
 #pragma once
 
 #include "mmfuse/common.h"

@@ -168,3 +168,18 @@ def test_bad_input(device):
         mmfuse.rms_norm(x, w, grouping=(3, 1), out_grouped=True)
     with pytest.raises(ValueError, match="eps: expected a finite value >= 0, got nan"):
         mmfuse.rms_norm(x, w, float("nan"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_inputs_give_hfs_results(device):
+    """The rule: an Inf or NaN in a row gives what HF's formula gives (an Inf makes the row's mean square
+    Inf, so its finite entries normalize to 0 and the Inf to NaN; a NaN makes the row NaN); other rows
+    are untouched."""
+    x = torch.tensor([[1.0, float("inf"), 2.0, 0.5], [1.0, float("nan"), 2.0, 0.5], [1.0, 2.0, 3.0, 4.0]],
+                     device=device)
+    w = torch.tensor([1.0, 2.0, 0.5, 1.0], device=device)
+    res = torch.zeros_like(x)
+    out, h = mmfuse.rms_norm(x, w, 1e-6, res)
+    want, want_h = _hf(x, res, w, 1e-6)
+    torch.testing.assert_close(out, want, equal_nan=True)
+    torch.testing.assert_close(h, want_h, equal_nan=True)

@@ -97,3 +97,11 @@ def test_bad_input(device):
         mmfuse.swiglu(torch.randn(3, 5, device=device))
     with pytest.raises(ValueError, match=r"dy: expected shape \[3, 4\], got \[3, 5\]"):
         torch.ops.mmfuse.swiglu_backward(torch.randn(3, 5, device=device), torch.randn(3, 8, device=device), True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_inputs_give_the_formulas_results(device):
+    """The rule: silu(gate) * up with IEEE arithmetic, as F.silu(gate) * up gives it (silu(-inf) = NaN,
+    silu(inf) * up = inf * up)."""
+    gu = torch.tensor([[float("-inf"), float("inf"), 1.0, float("nan"), 2.0, 3.0, float("nan"), 4.0]], device=device)
+    torch.testing.assert_close(mmfuse.swiglu(gu), _ref(gu), equal_nan=True)
