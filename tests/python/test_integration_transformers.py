@@ -87,3 +87,38 @@ def test_patched_equals_unpatched(device, dtype):
     assert got_grads.keys() == want_grads.keys()
     for n, g in want_grads.items():
         torch.testing.assert_close(got_grads[n], g, rtol=0, atol=0, msg=lambda s: f"{n}: {s}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_mlp_patch_close_to_unpatched(device, dtype):
+    """rms_norm=True, swiglu=True: every RMSNorm and MLP of the text and vision towers through mmfuse
+    (counted), logits and gradients close to transformers' own (fp32 tight; bf16 to bf16 rounding),
+    reverted after."""
+    from mmfuse.integrations.transformers import patch_qwen2_5_vl
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+    import mmfuse.integrations.transformers as integ
+
+    model = _model(device, dtype)
+    batch = _batch(device, dtype)
+    before = (m.Qwen2_5_VLRMSNorm.forward, m.Qwen2MLP.forward, m.Qwen2_5_VLMLP.forward)
+    want_logits, want_grads, _ = _run(model, batch)
+    calls = {"norm": 0, "swiglu": 0}
+    orig_norm, orig_swiglu = integ._rms_norm, integ._swiglu
+    integ._rms_norm = lambda *a, **k: calls.__setitem__("norm", calls["norm"] + 1) or orig_norm(*a, **k)
+    integ._swiglu = lambda *a, **k: calls.__setitem__("swiglu", calls["swiglu"] + 1) or orig_swiglu(*a, **k)
+    try:
+        with patch_qwen2_5_vl(rms_norm=True, swiglu=True):
+            got_logits, got_grads, _ = _run(model, batch)
+    finally:
+        integ._rms_norm, integ._swiglu = orig_norm, orig_swiglu
+    # text: 2 layers x 2 norms + the final one; vision: 3 blocks x 2 norms (+ the merger's); MLPs: 2 + 3
+    assert calls["norm"] >= 2 * 2 + 1 + 3 * 2 and calls["swiglu"] >= 2 + 3
+    assert (m.Qwen2_5_VLRMSNorm.forward, m.Qwen2MLP.forward, m.Qwen2_5_VLMLP.forward) == before
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    rel = float((got_logits.float() - want_logits.float()).norm() / want_logits.float().norm())
+    assert rel <= tol, rel
+    for n, g in want_grads.items():
+        err = float((got_grads[n].float() - g.float()).norm() / g.float().norm().clamp_min(1e-30))
+        assert err <= (1e-3 if dtype == torch.float32 else 0.1), (n, err)

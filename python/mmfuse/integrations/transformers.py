@@ -10,7 +10,13 @@
 - the text RoPE (``apply_rotary_pos_emb``, plain tables already in mRoPE layout) -> :func:`mmfuse.mrope`
   with ``numerics="hf_eager"`` (bitwise equal to transformers' formula, forward and backward);
 - the vision RoPE (``apply_rotary_pos_emb_vision``, fp32 tables) -> :func:`mmfuse.mrope` with
-  ``numerics="fp32"`` (bitwise equal forward).
+  ``numerics="fp32"`` (bitwise equal forward);
+- with ``rms_norm=True``: every ``Qwen2_5_VLRMSNorm`` (text and vision) -> :func:`mmfuse.rms_norm`
+  (HF's roundings; the mean square summed in another order, so close rather than bitwise); where the
+  weight's dtype is not the input's, transformers' own;
+- with ``swiglu=True``: the text and vision MLPs (``Qwen2MLP``, ``Qwen2_5_VLMLP``) -> one GEMM against
+  the stacked gate/up weight, :func:`mmfuse.swiglu` (fp32 math, one rounding: close to HF's two bf16
+  roundings), then the down projection; an MLP whose activation is not SiLU stays transformers' own.
 
 Usage::
 
@@ -26,8 +32,13 @@ index and the cos/sin tables (computed by its rotary modules).
 
 import inspect
 
+import torch
+import torch.nn.functional as F
+
 from .. import positions as _positions
 from .. import rope as _rope
+from ..rms_norm import rms_norm as _rms_norm
+from ..swiglu import swiglu as _swiglu
 
 
 def _modeling():
@@ -47,8 +58,8 @@ def _modeling():
 class patch_qwen2_5_vl:
     """Scoped patch (a context manager, or ``apply()`` / ``revert()``); see the module docstring."""
 
-    def __init__(self, positions: bool = True, rope: bool = True):
-        self.positions, self.rope = positions, rope
+    def __init__(self, positions: bool = True, rope: bool = True, rms_norm: bool = False, swiglu: bool = False):
+        self.positions, self.rope, self.rms_norm, self.swiglu = positions, rope, rms_norm, swiglu
         self._saved = []
 
     # ---- replacements ----
@@ -107,10 +118,30 @@ class patch_qwen2_5_vl:
                                  qk_layout="blhd")
             return qo[0], ko[0]
 
+        orig_norm = m.Qwen2_5_VLRMSNorm.forward
+        orig_text_mlp, orig_vision_mlp = m.Qwen2MLP.forward, m.Qwen2_5_VLMLP.forward
+
+        def norm_forward(self, hidden_states):
+            if self.weight.dtype != hidden_states.dtype:
+                return orig_norm(self, hidden_states)
+            return _rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+        def mlp(orig):
+            def forward(self, x):
+                act = self.act_fn
+                if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+                    return orig(self, x)
+                g, u = self.gate_proj, self.up_proj
+                bias = None if g.bias is None else torch.cat([g.bias, u.bias])
+                gate_up = F.linear(x, torch.cat([g.weight, u.weight]), bias)
+                return self.down_proj(_swiglu(gate_up))
+            return forward
+
         return dict(get_rope_index=get_rope_index, get_vision_position_ids=get_vision_position_ids,
                     get_vision_attention_seqlens=get_vision_attention_seqlens,
                     get_vision_window_index=get_vision_window_index, apply_rotary_pos_emb=apply_rotary_pos_emb,
-                    apply_rotary_pos_emb_vision=apply_rotary_pos_emb_vision)
+                    apply_rotary_pos_emb_vision=apply_rotary_pos_emb_vision, norm_forward=norm_forward,
+                    text_mlp_forward=mlp(orig_text_mlp), vision_mlp_forward=mlp(orig_vision_mlp))
 
     def apply(self):
         if self._saved:
@@ -123,9 +154,17 @@ class patch_qwen2_5_vl:
                         (m, "get_vision_attention_seqlens"), (m, "get_vision_window_index")]
         if self.rope:
             targets += [(m, "apply_rotary_pos_emb"), (m, "apply_rotary_pos_emb_vision")]
+        renamed = []  # (owner, attribute, key in `new`)
+        if self.rms_norm:
+            renamed.append((m.Qwen2_5_VLRMSNorm, "forward", "norm_forward"))
+        if self.swiglu:
+            renamed += [(m.Qwen2MLP, "forward", "text_mlp_forward"), (m.Qwen2_5_VLMLP, "forward", "vision_mlp_forward")]
         for owner, name in targets:
             self._saved.append((owner, name, owner.__dict__[name]))
             setattr(owner, name, new[name])
+        for owner, name, key in renamed:
+            self._saved.append((owner, name, owner.__dict__[name]))
+            setattr(owner, name, new[key])
         return self
 
     def revert(self):
