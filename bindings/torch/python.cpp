@@ -25,7 +25,15 @@ std::tuple<Tensor, Tensor> mrope_entry(const Tensor& q, const Tensor& k, const O
                                        const std::vector<int64_t>& section, bool interleaved,
                                        const std::string& numerics, bool heads_first) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mmfuse::mrope", "").typed<MropeSig>();
-  return op.call(q, k, cos, sin, pos, inv_freq, section, interleaved, numerics, heads_first);
+  // torch.ops raises c10::ValueError / TypeError as ValueError / TypeError; so does this entry point,
+  // also where torch's own pybind11 translators do not reach this module (torch 2.6).
+  try {
+    return op.call(q, k, cos, sin, pos, inv_freq, section, interleaved, numerics, heads_first);
+  } catch (const c10::ValueError& e) {
+    throw pybind11::value_error(e.what_without_backtrace());
+  } catch (const c10::TypeError& e) {
+    throw pybind11::type_error(e.what_without_backtrace());
+  }
 }
 
 }  // namespace

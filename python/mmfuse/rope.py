@@ -32,7 +32,7 @@ def _direct(q, k, cos, sin, positions, inv_freq) -> bool:
     """Eager call on plain tensors with no torch-function mode: the C++ entry point (same op, less
     argument parsing) is safe. Under torch.compile and for tensor subclasses, torch.ops is used."""
     return (_fast_mrope is not None and type(q) is Tensor and type(k) is Tensor and _plain(cos) and _plain(sin)
-            and _plain(positions) and _plain(inv_freq) and not _tf_mode() and not _is_compiling())
+            and _plain(positions) and _plain(inv_freq) and not _is_compiling() and not _tf_mode())
 
 
 def _check_layout(op: str, q: Tensor, k: Optional[Tensor], qk_layout: str) -> None:
