@@ -3,7 +3,7 @@
     mmfuse-bench [rope] [positions] [moe] [gemm] [fp8] [rms_norm] [swiglu] [linear_cross_entropy] [train]
                  [--quick] [--json FILE]
                  [train options]
-    mmfuse-bench report [--results DIR] [--out FILE]
+    mmfuse-bench report [--results DIR] [--out FILE] [--readme FILE]
 
 `train` is the training step of a VLA decoder stack, PyTorch against mmfuse (train.py). On a GPU
 each op family measures the copy (or GEMM) ceiling and each op against the best alternative in
