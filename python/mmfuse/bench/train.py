@@ -4,8 +4,9 @@ weights), eager and ``torch.compile``, in one run.
 
 Columns: ms a step (forward + backward of the regression loss, gradients set to None first, as a
 training loop does), tokens/s, the speedup over each PyTorch variant, the peak memory a step adds to
-what the weights, gradients and batch hold, the time as a multiple of the **bound** (the step's own
-GEMMs and attention kernels alone, back to back at its shapes, measured in the same run), and
+what the weights and the batch hold (its gradients included), the time as a multiple of the
+**bound** (the step's own GEMMs and attention kernels alone, back to back at its shapes, measured in
+the same run), and
 agreement with PyTorch eager: the largest relative gradient error of a parameter group at the first
 step, and the loss after ``--steps`` AdamW steps from the same weights on the same batch.
 
