@@ -1,28 +1,42 @@
-"""mmfuse.integrations.transformers: a tiny random-weight Qwen2.5-VL (transformers 5.x), patched against
-unpatched, on a batch of text, images and a video with padding: equal logits and gradients."""
+"""mmfuse.integrations.transformers: a tiny random-weight Qwen2.5-VL of the installed transformers
+(4.49-4.57 or 5.x; CI runs the oldest and newest of each), patched against unpatched, on a batch of
+text, images and a video with padding: equal logits and gradients where the patch is exact, close where
+it rounds differently, the loss without logits, fp8 and the Trainer callback, and every change reverted."""
+
+import inspect
+import sys
 
 import pytest
 import torch
 
-from mmfuse.bench.references import hf5_get_rope_index
+transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.skipif(hf5_get_rope_index() is None, reason="needs transformers 5.x")
+from mmfuse.integrations import qwen2_5_vl as Q  # noqa: E402
+from mmfuse.integrations.transformers import PatchCallback, patch_qwen2_5_vl  # noqa: E402
+
+m, VERSION = Q.modeling()
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 IMG, VID, VS, VE = 151, 152, 150, 153
+HAS_TYPES = "mm_token_type_ids" in inspect.signature(
+    (vars(m.Qwen2_5_VLModel).get("get_rope_index") or m.Qwen2_5_VLForConditionalGeneration.get_rope_index)).parameters
 
 
 def _model(device, dtype):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    rope = dict(rope_type="default", mrope_section=[2, 3, 3])
+    rope_kw = dict(rope_parameters=dict(rope, rope_theta=10000.0)) if VERSION >= (5,) else \
+        dict(rope_scaling=dict(rope, type="mrope"), rope_theta=10000.0)
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
+        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, **rope_kw,
         vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
                            patch_size=14, spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1],
                            tokens_per_second=2, temporal_patch_size=2, in_channels=3),
         image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
     cfg._attn_implementation = "eager"
+    if hasattr(cfg, "vision_config"):
+        cfg.vision_config._attn_implementation = "eager"
     torch.manual_seed(0)
     return Qwen2_5_VLForConditionalGeneration(cfg).to(device=device, dtype=dtype).eval()
 
@@ -44,11 +58,23 @@ def _batch(device, dtype):
     patch = 3 * 2 * 14 * 14
     n_img = sum(t * h * w for t, h, w in img)
     n_vid = sum(t * h * w for t, h, w in vid)
-    return dict(input_ids=ids.to(device), attention_mask=mask.to(device), mm_token_type_ids=types.to(device),
-                pixel_values=torch.randn(n_img, patch, generator=g).to(device, dtype),
-                image_grid_thw=torch.tensor(img).to(device),
-                pixel_values_videos=torch.randn(n_vid, patch, generator=g).to(device, dtype),
-                video_grid_thw=torch.tensor(vid).to(device), second_per_grid_ts=torch.tensor([1.0]).to(device))
+    batch = dict(input_ids=ids.to(device), attention_mask=mask.to(device),
+                 pixel_values=torch.randn(n_img, patch, generator=g).to(device, dtype),
+                 image_grid_thw=torch.tensor(img).to(device),
+                 pixel_values_videos=torch.randn(n_vid, patch, generator=g).to(device, dtype),
+                 video_grid_thw=torch.tensor(vid).to(device), second_per_grid_ts=torch.tensor([1.0]).to(device))
+    if HAS_TYPES:
+        batch["mm_token_type_ids"] = types.to(device)
+    return batch
+
+
+def _labels(batch):
+    return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+
+
+def _deltas(model):
+    return getattr(model.model, "rope_deltas", None) if getattr(model, "rope_deltas", None) is None else \
+        model.rope_deltas
 
 
 def _run(model, batch):
@@ -57,68 +83,169 @@ def _run(model, batch):
     logits = out.logits
     (logits.float().square().mean()).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach().clone(), grads, model.model.rope_deltas.clone()
+    return logits.detach().clone(), grads, _deltas(model).clone()
+
+
+def _snapshot():
+    """Every attribute a full patch may touch, as it is now."""
+    owners = [m, m.Qwen2_5_VLModel, m.Qwen2_5_VLForConditionalGeneration, m.Qwen2_5_VisionTransformerPretrainedModel,
+              Q.rms_norm_class(m), m.Qwen2MLP, m.Qwen2_5_VLMLP]
+    return [dict(vars(o)) for o in owners]
+
+
+def _counting(monkeypatch, module, name, calls):
+    orig = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.__setitem__(name, calls.get(name, 0) + 1) or orig(*a, **k))
+
+
+# 5.3-5.7's get_rope_index differs from every other release (see qwen2_5_vl.text_positions_targets)
+POSITIONS = not (HAS_TYPES and VERSION < (5, 8))
+BASE = dict(positions=POSITIONS)
+EXACT = dict(BASE, rms_norm=False, swiglu=False, linear_cross_entropy=False)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_patched_equals_unpatched(device, dtype):
-    from mmfuse.integrations.transformers import patch_qwen2_5_vl
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+def test_positions_and_rope_exact(device, dtype, monkeypatch):
+    """positions=True, rope=True: logits, rope deltas and gradients bitwise equal to transformers'."""
+    import mmfuse.positions as P
+    import mmfuse.rope as R
 
     model = _model(device, dtype)
     batch = _batch(device, dtype)
-    before = m.apply_rotary_pos_emb, m.Qwen2_5_VLModel.get_rope_index
+    before = _snapshot()
     want_logits, want_grads, want_deltas = _run(model, batch)
-    calls = []
-    with patch_qwen2_5_vl():
-        assert m.apply_rotary_pos_emb is not before[0]
-        import mmfuse.positions as P
-        orig = P.rope_index
-        P.rope_index = lambda *a, **k: calls.append(1) or orig(*a, **k)  # the patch really runs mmfuse
-        try:
-            got_logits, got_grads, got_deltas = _run(model, batch)
-        finally:
-            P.rope_index = orig
-    assert calls
-    assert (m.apply_rotary_pos_emb, m.Qwen2_5_VLModel.get_rope_index) == before  # reverted
+    calls = {}
+    for mod, name in ((P, "rope_index"), (P, "window_index"), (R, "mrope")):
+        _counting(monkeypatch, mod, name, calls)
+    with patch_qwen2_5_vl(**EXACT):
+        assert _snapshot() != before
+        got_logits, got_grads, got_deltas = _run(model, batch)
+    assert calls.get("mrope") and (not POSITIONS or calls.get("rope_index") and calls.get("window_index")), calls
+    assert _snapshot() == before  # reverted
     assert torch.equal(got_deltas, want_deltas)
-    assert torch.equal(got_logits, want_logits)  # bitwise: positions exact, RoPE in the matching numerics
+    assert torch.equal(got_logits, want_logits)
     assert got_grads.keys() == want_grads.keys()
     for n, g in want_grads.items():
         torch.testing.assert_close(got_grads[n], g, rtol=0, atol=0, msg=lambda s: f"{n}: {s}")
 
 
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_and_mlp_patch_close_to_unpatched(device, dtype):
+def test_norm_and_mlp_close_to_unpatched(device, dtype, monkeypatch):
     """rms_norm=True, swiglu=True: every RMSNorm and MLP of the text and vision towers through mmfuse
-    (counted), logits and gradients close to transformers' own (fp32 tight; bf16 to bf16 rounding),
-    reverted after."""
-    from mmfuse.integrations.transformers import patch_qwen2_5_vl
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
-
-    import mmfuse.integrations.transformers as integ
-
+    (counted), logits and gradients close to transformers' own (fp32 tight; bf16 to bf16 rounding)."""
     model = _model(device, dtype)
     batch = _batch(device, dtype)
-    before = (m.Qwen2_5_VLRMSNorm.forward, m.Qwen2MLP.forward, m.Qwen2_5_VLMLP.forward)
+    before = _snapshot()
     want_logits, want_grads, _ = _run(model, batch)
-    calls = {"norm": 0, "swiglu": 0}
-    orig_norm, orig_swiglu = integ._rms_norm, integ._swiglu
-    integ._rms_norm = lambda *a, **k: calls.__setitem__("norm", calls["norm"] + 1) or orig_norm(*a, **k)
-    integ._swiglu = lambda *a, **k: calls.__setitem__("swiglu", calls["swiglu"] + 1) or orig_swiglu(*a, **k)
-    try:
-        with patch_qwen2_5_vl(rms_norm=True, swiglu=True):
-            got_logits, got_grads, _ = _run(model, batch)
-    finally:
-        integ._rms_norm, integ._swiglu = orig_norm, orig_swiglu
+    calls = {}
+    _counting(monkeypatch, Q, "_rms_norm", calls)
+    _counting(monkeypatch, Q, "_swiglu", calls)
+    with patch_qwen2_5_vl(**BASE, linear_cross_entropy=False):
+        got_logits, got_grads, _ = _run(model, batch)
     # text: 2 layers x 2 norms + the final one; vision: 3 blocks x 2 norms (+ the merger's); MLPs: 2 + 3
-    assert calls["norm"] >= 2 * 2 + 1 + 3 * 2 and calls["swiglu"] >= 2 + 3
-    assert (m.Qwen2_5_VLRMSNorm.forward, m.Qwen2MLP.forward, m.Qwen2_5_VLMLP.forward) == before
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    rel = float((got_logits.float() - want_logits.float()).norm() / want_logits.float().norm())
-    assert rel <= tol, rel
+    assert calls["_rms_norm"] >= 2 * 2 + 1 + 3 * 2 and calls["_swiglu"] >= 2 + 3, calls
+    assert _snapshot() == before
+    assert _rel(got_logits, want_logits) <= (1e-4 if dtype == torch.float32 else 5e-2)
     for n, g in want_grads.items():
-        err = float((got_grads[n].float() - g.float()).norm() / g.float().norm().clamp_min(1e-30))
-        assert err <= (1e-3 if dtype == torch.float32 else 0.1), (n, err)
+        assert _rel(got_grads[n], g) <= (1e-3 if dtype == torch.float32 else 0.1), n
+
+
+def _train_step(model, batch, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, labels=_labels(batch), **kw)
+    out.loss.backward()
+    return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_loss(device, dtype, monkeypatch):
+    """linear_cross_entropy=True in training: the loss through mmfuse.linear_cross_entropy (counted), no
+    logits, loss and gradients close to transformers' causal-LM loss; in eval the logits come back."""
+    from mmfuse.integrations import causal_lm_loss as C
+
+    model = _model(device, dtype).train()
+    batch = _batch(device, dtype)
+    want, want_grads = _train_step(model, batch)
+    calls = {}
+    _counting(monkeypatch, C, "linear_cross_entropy", calls)
+    with patch_qwen2_5_vl(**dict(EXACT, linear_cross_entropy=True)):
+        got, got_grads = _train_step(model, batch)
+        assert got.logits is None and calls.get("linear_cross_entropy") == 1
+        model.eval()
+        with torch.no_grad():
+            ev = model(**batch, labels=_labels(batch))
+        assert ev.logits is not None and calls["linear_cross_entropy"] == 1
+        model.train()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got_loss, want_loss = float(got.loss.detach()), float(want.loss.detach())
+    assert abs(got_loss - want_loss) <= tol * abs(want_loss), (got_loss, want_loss)
+    assert got_grads.keys() == want_grads.keys()
+    for n, g in want_grads.items():
+        assert _rel(got_grads[n], g) <= (1e-4 if dtype == torch.float32 else 0.1), n
+
+
+@pytest.mark.skipif(not any(p.kind is p.VAR_KEYWORD for p in
+                            inspect.signature(m.Qwen2_5_VLForConditionalGeneration.forward).parameters.values()),
+                    reason="this transformers' forward takes no loss kwargs")
+def test_linear_cross_entropy_num_items_in_batch():
+    """The Trainer's num_items_in_batch: the sum over the batch divided by it, as transformers does."""
+    model = _model("cpu", torch.float32).train()
+    batch = _batch("cpu", torch.float32)
+    want, _ = _train_step(model, batch, num_items_in_batch=torch.tensor(7))
+    with patch_qwen2_5_vl(**dict(EXACT, linear_cross_entropy=True)):
+        got, _ = _train_step(model, batch, num_items_in_batch=torch.tensor(7))
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
+
+
+def test_fp8_converts_and_restores():
+    """fp8=True: the model's linears but lm_head become Fp8Linear (sharing the parameters; fp8 emulated
+    on the CPU), the loss stays close, and revert puts the very same nn.Linear modules back."""
+    from mmfuse.nn import Fp8Linear
+
+    model = _model("cpu", torch.bfloat16).train()
+    batch = _batch("cpu", torch.bfloat16)
+    linears = {n: mod for n, mod in model.named_modules() if type(mod) is torch.nn.Linear}
+    want, _ = _train_step(model, batch)
+    with patch_qwen2_5_vl(model, **BASE, fp8=True):
+        converted = {n: mod for n, mod in model.named_modules() if isinstance(mod, Fp8Linear)}
+        assert set(converted) == {n for n in linears if not n.endswith("lm_head")}
+        assert all(converted[n].weight is linears[n].weight for n in converted)
+        got, grads = _train_step(model, batch)
+    assert {n: mod for n, mod in model.named_modules() if type(mod) is torch.nn.Linear} == linears
+    assert abs(float(got.loss.detach()) - float(want.loss.detach())) <= 0.05 * abs(float(want.loss.detach()))
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    with pytest.raises(ValueError, match="fp8=True converts the model's linears: pass the model"):
+        patch_qwen2_5_vl(fp8=True)
+
+
+def test_trainer_callback_applies_and_reverts():
+    """PatchCallback: the patch is on between on_train_begin and on_train_end, with the model it is given."""
+    before = _snapshot()
+    cb = PatchCallback(**BASE)
+    model = _model("cpu", torch.float32)
+    cb.on_train_begin(None, None, None, model=model)
+    assert _snapshot() != before and cb.patch.model is model
+    cb.on_train_end(None, None, None)
+    assert _snapshot() == before and cb.patch is None
+
+
+def test_patch_refuses_twice_and_unsupported_versions(monkeypatch):
+    if not POSITIONS:
+        with pytest.raises(ImportError, match=r"get_rope_index \(5.3-5.7\).*pass positions=False"):
+            patch_qwen2_5_vl().apply()
+    p = patch_qwen2_5_vl(**BASE).apply()
+    try:
+        with pytest.raises(RuntimeError, match="already applied"):
+            p.apply()
+    finally:
+        p.revert()
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.45.2")  # the module as imported now
+    with pytest.raises(ImportError, match="transformers 4.45.2 has no Qwen2.5-VL layout mmfuse patches: supported"):
+        patch_qwen2_5_vl().apply()
