@@ -11,65 +11,30 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from mmfuse.bench.qwen2_5_vl import PRESETS, make_batch, make_model, takes_token_types  # noqa: E402
 from mmfuse.integrations import qwen2_5_vl as Q  # noqa: E402
 from mmfuse.integrations.transformers import PatchCallback, patch_qwen2_5_vl  # noqa: E402
 
 m, VERSION = Q.modeling()
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-IMG, VID, VS, VE = 151, 152, 150, 153
-HAS_TYPES = "mm_token_type_ids" in inspect.signature(
-    (vars(m.Qwen2_5_VLModel).get("get_rope_index") or m.Qwen2_5_VLForConditionalGeneration.get_rope_index)).parameters
+HAS_TYPES = takes_token_types()
 
 
 def _model(device, dtype):
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    rope = dict(rope_type="default", mrope_section=[2, 3, 3])
-    rope_kw = dict(rope_parameters=dict(rope, rope_theta=10000.0)) if VERSION >= (5,) else \
-        dict(rope_scaling=dict(rope, type="mrope"), rope_theta=10000.0)
-    cfg = Qwen2_5_VLConfig(
-        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, **rope_kw,
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                           patch_size=14, spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1],
-                           tokens_per_second=2, temporal_patch_size=2, in_channels=3),
-        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
-    cfg._attn_implementation = "eager"
-    if hasattr(cfg, "vision_config"):
-        cfg.vision_config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return Qwen2_5_VLForConditionalGeneration(cfg).to(device=device, dtype=dtype).eval()
+    return make_model("tiny", layers=2, vision_depth=3, fullatt=(1,), device=device, dtype=dtype)
 
 
-def _batch(device, dtype):
-    g = torch.Generator().manual_seed(1)
-    img = [[1, 8, 12], [1, 6, 4]]  # merged 4 x 6 (window side 56/2/14 = 2) and 3 x 2
-    vid = [[2, 4, 8]]
-    rows = [[5, 6, VS] + [IMG] * 24 + [VE, 7, 8, VS] + [VID] * 16 + [VE, 9],
-            [10, VS] + [IMG] * 6 + [VE, 11, 12, 13]]
-    L = max(len(r) for r in rows) + 2
-    ids = torch.zeros(2, L, dtype=torch.long)
-    mask = torch.zeros(2, L, dtype=torch.long)
-    for b, r in enumerate(rows):  # row 0 right-padded, row 1 left-padded
-        s = 0 if b == 0 else L - len(r)
-        ids[b, s:s + len(r)] = torch.tensor(r)
-        mask[b, s:s + len(r)] = 1
-    types = ((ids == IMG).long() + 2 * (ids == VID).long()) * mask
-    patch = 3 * 2 * 14 * 14
-    n_img = sum(t * h * w for t, h, w in img)
-    n_vid = sum(t * h * w for t, h, w in vid)
-    batch = dict(input_ids=ids.to(device), attention_mask=mask.to(device),
-                 pixel_values=torch.randn(n_img, patch, generator=g).to(device, dtype),
-                 image_grid_thw=torch.tensor(img).to(device),
-                 pixel_values_videos=torch.randn(n_vid, patch, generator=g).to(device, dtype),
-                 video_grid_thw=torch.tensor(vid).to(device), second_per_grid_ts=torch.tensor([1.0]).to(device))
-    if HAS_TYPES:
-        batch["mm_token_type_ids"] = types.to(device)
-    return batch
-
-
-def _labels(batch):
-    return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+def _batch(device, dtype, labels=False):
+    """Two rows: text, an image (merged 4 x 6, window side 56/2/14 = 2), text, a video, text, right-padded;
+    text, a smaller image, text, left-padded."""
+    rows = [[("text", 2), ("image", (1, 8, 12)), ("text", 2), ("video", (2, 4, 8)), ("text", 1)],
+            [("text", 1), ("image", (1, 6, 4)), ("text", 3)]]
+    p = PRESETS["tiny"]
+    b = make_batch(rows, ids=p["ids"], vocab=p["text"]["vocab_size"], length=45, left_padded=(1,), device=device,
+                   dtype=dtype)
+    if not labels:
+        del b["labels"]
+    return b
 
 
 def _deltas(model):
@@ -158,7 +123,7 @@ def test_norm_and_mlp_close_to_unpatched(device, dtype, monkeypatch):
 
 def _train_step(model, batch, **kw):
     model.zero_grad(set_to_none=True)
-    out = model(**batch, labels=_labels(batch), **kw)
+    out = model(**batch, **kw)
     out.loss.backward()
     return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -171,7 +136,7 @@ def test_linear_cross_entropy_loss(device, dtype, monkeypatch):
     from mmfuse.integrations import causal_lm_loss as C
 
     model = _model(device, dtype).train()
-    batch = _batch(device, dtype)
+    batch = _batch(device, dtype, labels=True)
     want, want_grads = _train_step(model, batch)
     calls = {}
     _counting(monkeypatch, C, "linear_cross_entropy", calls)
@@ -180,7 +145,7 @@ def test_linear_cross_entropy_loss(device, dtype, monkeypatch):
         assert got.logits is None and calls.get("linear_cross_entropy") == 1
         model.eval()
         with torch.no_grad():
-            ev = model(**batch, labels=_labels(batch))
+            ev = model(**batch)
         assert ev.logits is not None and calls["linear_cross_entropy"] == 1
         model.train()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -197,7 +162,7 @@ def test_linear_cross_entropy_loss(device, dtype, monkeypatch):
 def test_linear_cross_entropy_num_items_in_batch():
     """The Trainer's num_items_in_batch: the sum over the batch divided by it, as transformers does."""
     model = _model("cpu", torch.float32).train()
-    batch = _batch("cpu", torch.float32)
+    batch = _batch("cpu", torch.float32, labels=True)
     want, _ = _train_step(model, batch, num_items_in_batch=torch.tensor(7))
     with patch_qwen2_5_vl(**dict(EXACT, linear_cross_entropy=True)):
         got, _ = _train_step(model, batch, num_items_in_batch=torch.tensor(7))
@@ -210,7 +175,7 @@ def test_fp8_converts_and_restores():
     from mmfuse.nn import Fp8Linear
 
     model = _model("cpu", torch.bfloat16).train()
-    batch = _batch("cpu", torch.bfloat16)
+    batch = _batch("cpu", torch.bfloat16, labels=True)
     linears = {n: mod for n, mod in model.named_modules() if type(mod) is torch.nn.Linear}
     want, _ = _train_step(model, batch)
     with patch_qwen2_5_vl(model, **BASE, fp8=True):

@@ -1,11 +1,12 @@
 """mmfuse-bench: the benchmark CLI (the main job).
 
     mmfuse-bench [rope] [positions] [moe] [gemm] [fp8] [rms_norm] [swiglu] [linear_cross_entropy] [train]
-                 [--quick] [--json FILE]
-                 [train options]
+                 [model] [--quick] [--json FILE]
+                 [train and model options]
     mmfuse-bench report [--results DIR] [--out FILE] [--readme FILE]
 
-`train` is the training step of a VLA decoder stack, PyTorch against mmfuse (train.py). On a GPU
+`train` is the training step of a VLA decoder stack, PyTorch against mmfuse (train.py); `model` that of
+a whole transformers Qwen2.5-VL, unpatched against patch_qwen2_5_vl (model.py). On a GPU
 each op family measures the copy (or GEMM) ceiling and each op against the best alternative in
 the same run, prints its tables and, with --json, writes the results (GPU, driver, versions, commit
 and date in a header) for `report`. On the CPU it checks agreement with the references only, at small
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import time
 
-_FAMILIES = ["rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu", "linear_cross_entropy", "train"]
+_FAMILIES = ["rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu", "linear_cross_entropy", "train", "model"]
 
 
 def _commit() -> str:
@@ -83,6 +84,12 @@ def _run(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     from . import fp8, gemm, linear_cross_entropy, moe, positions, rms_norm, rope, swiglu, train
 
+    def run_model(dev, quick):
+        from . import model
+        return model.run(dev, layers=args.model_layers, vision_depth=args.vision_depth, batch=args.model_batch,
+                         seq=args.model_seq, steps=min(args.steps, 20), fp8=args.fp8, compile=not args.no_compile,
+                         quick=quick)
+
     def run_train(dev, quick):
         if args.nproc > 1 or "WORLD_SIZE" in os.environ:
             from . import train_dist
@@ -94,7 +101,7 @@ def _run(args) -> int:
 
     runners = {"rope": rope.run, "positions": positions.run, "moe": moe.run, "gemm": gemm.run, "fp8": fp8.run,
                "rms_norm": rms_norm.run, "swiglu": swiglu.run, "linear_cross_entropy": linear_cross_entropy.run,
-               "train": run_train}
+               "train": run_train, "model": run_model}
     header = _header(device)
     print(f"mmfuse-bench on {header['device']} (torch {header['torch']}, CUDA {header['cuda']}, "
           f"commit {header['commit']})", flush=True)
@@ -150,6 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="also write the results as JSON to this file")
     from .train import add_arguments
     add_arguments(parser.add_argument_group("train"))
+    from .model import add_arguments as add_model_arguments
+    add_model_arguments(parser.add_argument_group("model (also --steps, at most 20, --fp8, --no-compile)"))
     args = parser.parse_args(argv)
     args.families = args.families or list(_FAMILIES)
     for fam in args.families:

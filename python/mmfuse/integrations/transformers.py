@@ -61,6 +61,7 @@ class patch_qwen2_5_vl:
         self.model = model
         self.positions, self.rope, self.rms_norm, self.swiglu = positions, rope, rms_norm, swiglu
         self.linear_cross_entropy, self.fp8 = linear_cross_entropy, fp8
+        self._resolved = None  # the replacements, made once: re-applying installs the same functions
         self._saved = []    # (owner, attribute, previous value or _MISSING)
         self._swapped = []  # (parent module, child name, the nn.Linear put back on revert)
 
@@ -74,8 +75,9 @@ class patch_qwen2_5_vl:
     def apply(self):
         if self._saved or self._swapped:
             raise RuntimeError("mmfuse patch_qwen2_5_vl: already applied")
-        targets = self._targets()  # every piece resolved before anything changes
-        for owner, name, new in targets:
+        if self._resolved is None:
+            self._resolved = self._targets()  # every piece resolved before anything changes
+        for owner, name, new in self._resolved:
             self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
             setattr(owner, name, new)
         if self.fp8:
