@@ -92,6 +92,16 @@ inline uint8_t float_to_fp8(float f, bool e4m3) {
   return uint8_t(sign | (code > max_code ? max_code : code));
 }
 
+// The fp8 rule for non-finite input (SEMANTICS.md section 7): amax is taken over the finite values
+// only, and an Inf or NaN element quantizes to NaN, so that only the outputs that read it are
+// non-finite (as F.linear's), and one bad tensor does not set the scale of the others or of the
+// delayed history.
+inline float fp8_finite_abs(float v) {
+  const float a = std::fabs(v);
+  return a <= 3.4028234663852886e38f ? a : 0.0f;  // NaN and Inf: 0
+}
+inline float fp8_scaled(float v, float scale) { return std::isinf(v) ? std::nanf("") : v * scale; }
+
 inline float fp8_to_float(uint8_t b, bool e4m3) {
   const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
   const int e = (b & 0x7f) >> mbits, m = b & ((1 << mbits) - 1);

@@ -30,8 +30,8 @@ void fp8_quantize_cpu(const Fp8QuantJob& j) {
       std::vector<float> ra(qs.size(), 0.0f), ca(qts.size(), 0.0f);  // row and column maxima
       for (int64_t i = 0; i < r; ++i)
         for (int64_t k = 0; k < c; ++k) {
-          const float v = std::fabs(at(i, k));
-          ra[size_t(i)] = std::fmax(ra[size_t(i)], v);  // fmax: NaN is ignored
+          const float v = fp8_finite_abs(at(i, k));
+          ra[size_t(i)] = std::fmax(ra[size_t(i)], v);
           ca[size_t(k)] = std::fmax(ca[size_t(k)], v);
         }
       for (size_t i = 0; i < qs.size(); ++i) qs[i] = scale_of(ra[i]);
@@ -42,7 +42,7 @@ void fp8_quantize_cpu(const Fp8QuantJob& j) {
     } else {
       float amax = 0.0f;
       for (int64_t i = 0; i < r; ++i)
-        for (int64_t k = 0; k < c; ++k) amax = std::fmax(amax, std::fabs(at(i, k)));
+        for (int64_t k = 0; k < c; ++k) amax = std::fmax(amax, fp8_finite_abs(at(i, k)));
       float* hist = j.state.ptr<float>();
       const int64_t h = j.state.shape[0] - 2;
       auto record = [&] {  // newest first
@@ -77,7 +77,7 @@ void fp8_quantize_cpu(const Fp8QuantJob& j) {
         for (int64_t u = u0; u < u1; ++u)
           for (int64_t v = 0; v < cols; ++v) {
             const int64_t i = transposed ? v : u, k = transposed ? u : v;
-            out[u * cols + v] = i < r && k < c ? float_to_fp8(at(i, k) * scales[size_t(u)], e4m3) : uint8_t(0);
+            out[u * cols + v] = i < r && k < c ? float_to_fp8(fp8_scaled(at(i, k), scales[size_t(u)]), e4m3) : uint8_t(0);
           }
       });
     };

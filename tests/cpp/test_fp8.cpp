@@ -2,6 +2,7 @@
 // definition (nearest representable value, saturation, padding, history), the CPU GEMM against a
 // float64 sum of the decoded values, CUDA against CPU (quantize bitwise, GEMM within fp32 rounding),
 // and bad input naming the argument.
+#include <algorithm>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -216,6 +217,65 @@ RowQuant quantize_rows(const std::vector<bf16>& x, int64_t r, int64_t c, bool cu
   j.per_row = true;
   run_quantize(j, cuda);
   return out;
+}
+
+// x [40, 24] bf16 with +Inf, -Inf and NaN at fixed places, and the same x with zeros there.
+struct NonFinite {
+  std::vector<bf16> x, zeroed;
+  std::vector<std::pair<int64_t, int64_t>> at = {{3, 5}, {17, 0}, {39, 23}};
+};
+NonFinite non_finite_input() {
+  std::mt19937_64 rng(test_seed() + 7);
+  NonFinite n;
+  n.x = random_vec<bf16>(40 * 24, rng, -6.0, 6.0);
+  n.zeroed = n.x;
+  const float bad[] = {INFINITY, -INFINITY, NAN};
+  for (size_t i = 0; i < n.at.size(); ++i) {
+    n.x[size_t(n.at[i].first * 24 + n.at[i].second)] = to_bf16(bad[i]);
+    n.zeroed[size_t(n.at[i].first * 24 + n.at[i].second)] = to_bf16(0.0f);
+  }
+  return n;
+}
+
+// The non-finite rule: the scale (and the history) as if the bad elements were 0, those elements NaN,
+// every other code unchanged; per tensor (dynamic and delayed) and per row.
+TEST(Fp8QuantizeCpu, NonFiniteElementsBecomeNanAndLeaveTheScale) {
+  const NonFinite n = non_finite_input();
+  const int64_t cp = fp8_padded(24), rp = fp8_padded(40);
+  for (DType fmt : {DType::kFloat8E4M3, DType::kFloat8E5M2})
+    for (bool dynamic : {true, false}) {
+      SCOPED_TRACE(testing::Message() << dtype_name(fmt) << " dynamic=" << dynamic);
+      const bool e4m3 = fmt == DType::kFloat8E4M3;
+      Quant bad, ref;
+      bad.state = ref.state = {0.0f, 2.0f, 0.0f, 0.0f};
+      quantize(n.x, 40, 24, 24, fmt, true, true, dynamic, bad, false);
+      quantize(n.zeroed, 40, 24, 24, fmt, true, true, dynamic, ref, false);
+      EXPECT_TRUE(std::isfinite(bad.scale_inv));
+      EXPECT_EQ(bad.scale_inv, ref.scale_inv);
+      EXPECT_EQ(bad.state, ref.state);
+      for (int64_t i = 0; i < 40; ++i)
+        for (int64_t k = 0; k < 24; ++k) {
+          const bool is_bad = std::find(n.at.begin(), n.at.end(), std::make_pair(i, k)) != n.at.end();
+          const uint8_t q = bad.q[size_t(i * cp + k)], qt = bad.qt[size_t(k * rp + i)];
+          EXPECT_EQ(q, qt);
+          if (is_bad)
+            EXPECT_TRUE(std::isnan(fp8_to_float(q, e4m3))) << i << "," << k;
+          else
+            EXPECT_EQ(q, ref.q[size_t(i * cp + k)]) << i << "," << k;
+        }
+    }
+  const RowQuant bad = quantize_rows(n.x, 40, 24, false), ref = quantize_rows(n.zeroed, 40, 24, false);
+  EXPECT_EQ(bad.si, ref.si);
+  EXPECT_EQ(bad.si_t, ref.si_t);
+  for (int64_t i = 0; i < 40; ++i)
+    for (int64_t k = 0; k < 24; ++k) {
+      const bool is_bad = std::find(n.at.begin(), n.at.end(), std::make_pair(i, k)) != n.at.end();
+      const uint8_t q = bad.q[size_t(i * cp + k)];
+      if (is_bad)
+        EXPECT_TRUE(std::isnan(fp8_to_float(q, true))) << i << "," << k;
+      else
+        EXPECT_EQ(q, ref.q[size_t(i * cp + k)]) << i << "," << k;
+    }
 }
 
 TEST(Fp8QuantizeCpu, PerRowScalesEachRowAndColumn) {
@@ -487,6 +547,29 @@ TEST(Fp8QuantizeCuda, BitwiseEqualToCpu) {
   for (bool dynamic : {true, false})  // a fresh state: delayed scaling runs the amax pass first
     for (auto [r, c] : {std::pair<int64_t, int64_t>{5, 7}, {300, 136}, {0, 16}})
       check_cuda_quantize<bf16>(r, c, c, DType::kFloat8E4M3, dynamic, true, true, true);
+}
+
+TEST(Fp8QuantizeCuda, NonFiniteBitwiseEqualToCpu) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  const NonFinite n = non_finite_input();
+  for (DType fmt : {DType::kFloat8E4M3, DType::kFloat8E5M2})
+    for (bool dynamic : {true, false})
+      for (bool fresh : {true, false}) {
+        SCOPED_TRACE(testing::Message() << dtype_name(fmt) << " dynamic=" << dynamic << " fresh=" << fresh);
+        Quant cpu, gpu;
+        cpu.state = gpu.state = fresh ? std::vector<float>(4, 0.0f) : std::vector<float>{0.0f, 2.0f, 0.0f, 0.0f};
+        quantize(n.x, 40, 24, 24, fmt, true, true, dynamic, cpu, false);
+        quantize(n.x, 40, 24, 24, fmt, true, true, dynamic, gpu, true);
+        EXPECT_TRUE(bits_equal(cpu.scale_inv, gpu.scale_inv)) << cpu.scale_inv << " vs " << gpu.scale_inv;
+        EXPECT_EQ(cpu.state, gpu.state);
+        EXPECT_EQ(cpu.q, gpu.q);
+        EXPECT_EQ(cpu.qt, gpu.qt);
+      }
+  const RowQuant cpu = quantize_rows(n.x, 40, 24, false), gpu = quantize_rows(n.x, 40, 24, true);
+  EXPECT_EQ(cpu.q, gpu.q);
+  EXPECT_EQ(cpu.qt, gpu.qt);
+  EXPECT_EQ(cpu.si, gpu.si);
+  EXPECT_EQ(cpu.si_t, gpu.si_t);
 }
 
 TEST(Fp8QuantizeCuda, PerRowBitwiseEqualToCpu) {

@@ -135,16 +135,27 @@ __device__ __forceinline__ void for_each_tile(const Job& jb, int tr, int tc, Bod
   }
 }
 
-// 16 values times their scales (sc(e)), rounded to fp8 (nearest even, saturating), as 4 words.
+// The non-finite rule (numerics.h fp8_finite_abs / fp8_scaled): amax over the finite values; Inf and
+// NaN elements quantize to NaN.
+__device__ __forceinline__ float finite_abs(float v) {
+  const float a = fabsf(v);
+  return a <= 3.4028234663852886e38f ? a : 0.0f;
+}
+__device__ __forceinline__ float scaled(float v, float s) {
+  return fabsf(v) == __int_as_float(0x7f800000) ? __int_as_float(0x7fffffff) : __fmul_rn(v, s);
+}
+
+// 16 values times their scales (sc(e)), rounded to fp8 (nearest even, saturating; Inf and NaN to
+// NaN), as 4 words.
 template <class Scale>
 __device__ __forceinline__ void pack_fp8(const float (&v)[16], Scale sc, __nv_fp8_interpretation_t fmt,
                                          uint32_t (&w)[4]) {
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
     const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-        make_float2(__fmul_rn(v[4 * p], sc(4 * p)), __fmul_rn(v[4 * p + 1], sc(4 * p + 1))), __NV_SATFINITE, fmt);
+        make_float2(scaled(v[4 * p], sc(4 * p)), scaled(v[4 * p + 1], sc(4 * p + 1))), __NV_SATFINITE, fmt);
     const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-        make_float2(__fmul_rn(v[4 * p + 2], sc(4 * p + 2)), __fmul_rn(v[4 * p + 3], sc(4 * p + 3))), __NV_SATFINITE,
+        make_float2(scaled(v[4 * p + 2], sc(4 * p + 2)), scaled(v[4 * p + 3], sc(4 * p + 3))), __NV_SATFINITE,
         fmt);
     w[p] = uint32_t(lo) | (uint32_t(hi) << 16);
   }
@@ -215,7 +226,7 @@ __global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const __grid_constan
   float amax = 0.0f;
   for_each_tile<S>(jb, tr, tc, [&](int64_t, const float(&v)[16]) {
 #pragma unroll
-    for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fabsf(v[e]));  // fmaxf drops NaN
+    for (int e = 0; e < 16; ++e) amax = fmaxf(amax, finite_abs(v[e]));
   });
   amax = block_max(amax, red);
   if (threadIdx.x == 0) finish_amax(jb, amax);
@@ -369,7 +380,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constan
         pack_fp8(v, [&](int) { return scale; }, fmt, w);
         if (!jb.dynamic) {
 #pragma unroll
-          for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fabsf(v[e]));
+          for (int e = 0; e < 16; ++e) amax = fmaxf(amax, finite_abs(v[e]));
         }
         if constexpr (kColSums) {
 #pragma unroll
@@ -437,8 +448,8 @@ __global__ void __launch_bounds__(kThreads) fp8_amax_rows_kernel(const __grid_co
     float rm = 0.0f;
 #pragma unroll
     for (int e = 0; e < 16; ++e) {
-      v[e] = fabsf(v[e]);
-      rm = fmaxf(rm, v[e]);  // fmaxf drops NaN
+      v[e] = finite_abs(v[e]);
+      rm = fmaxf(rm, v[e]);
     }
     rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 1));
     rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 2));
