@@ -64,8 +64,12 @@ struct GridCursor {
   }
 };
 
+// A video's seconds per grid: finite and in [0, 2^31) (a NaN would make the positions garbage).
 float seconds_of(const TensorView& sec, int64_t video) {
-  return sec.defined() ? static_cast<const float*>(sec.data)[video * sec.stride[0]] : 1.0f;
+  const float s = sec.defined() ? static_cast<const float*>(sec.data)[video * sec.stride[0]] : 1.0f;
+  MMFUSE_CHECK(s >= 0.0f && s < 2147483648.0f, "rope_index: second_per_grid_ts[", video, "] = ", s,
+               ": expected a finite value in [0, 2^31)");
+  return s;
 }
 
 // qwen / hf4: spans open at a vision start followed by an image / video token; length from the grid.

@@ -106,6 +106,9 @@ __device__ Span span_of(const RopeIndexArgs& a, int kind, int64_t g, int64_t row
   s.wm = w / m;
   s.len = t * s.hm * s.wm;
   s.sec = kind == 1 ? 0.0f : (a.sec ? a.sec[g * a.sec_s] : 1.0f);
+  if (!(s.sec >= 0.0f && s.sec < 2147483648.0f))  // NaN fails too
+    MMFUSE_DEVICE_FAIL("rope_index: row %lld: second_per_grid_ts[%lld] = %g: expected a finite value in [0, 2^31)",
+                       (long long)row, (long long)g, double(s.sec));
   if (a.hf5) {
     s.extent = max(s.hm, s.wm);
   } else {

@@ -189,6 +189,11 @@ def test_op_bad_input_raises_value_error():
         mmfuse.rope_index(ids, torch.tensor([[1, 2, 2]]), mode="hf5")
     with pytest.raises(ValueError, match="image_grid_thw: expected dtype int32 or int64"):
         mmfuse.rope_index(ids, torch.tensor([[1.0, 2, 2]]))
+    vids = torch.tensor([[5, 151652, 151656, 151656, 5]])
+    for mode in ("qwen", "hf4"):
+        for bad in (float("nan"), float("inf"), -1.0):
+            with pytest.raises(ValueError, match=r"second_per_grid_ts\[0\] = .*: expected a finite value in \[0, 2\^31\)"):
+                mmfuse.rope_index(vids, None, torch.tensor([[2, 2, 2]]), torch.tensor([bad]), mode=mode)
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="image_grid_thw: expected device cuda:0"):
             mmfuse.rope_index(ids.cuda(), torch.tensor([[1, 2, 2]]))
@@ -199,6 +204,8 @@ _DEVICE_ERRORS = [
     ("[[5, 151652, 151655, 151655]]", "[[1, 4, 4]]", "is shorter than its grid"),
     ("[[5, 151652, 151655, 5]]", "[[1, 3, 2]]", "divisible by spatial_merge_size 2"),
     ("[[5, 5, 5, 151652]]", "[[1, 2, 2]]", "vision start token is the last valid token"),
+    ("[[5, 151652, 151656, 151656, 5]]", "None, torch.tensor([[2, 2, 2]]).cuda(), torch.tensor([float('nan')])",
+     "second_per_grid_ts[0] = nan: expected a finite value in [0, 2^31)"),
 ]
 
 
@@ -207,8 +214,9 @@ _DEVICE_ERRORS = [
 def test_cuda_bad_input_stops_with_a_message(ids, grid, message):
     # a device-side assertion ends the CUDA context: run it in a child process
     code = ("import torch, mmfuse\n"
-            f"g = {grid}\ng = g if isinstance(g, torch.Tensor) else torch.tensor(g)\n"
-            f"p, d = mmfuse.rope_index(torch.tensor({ids}).cuda(), g.cuda())\n"
+            f"g = {grid}\ng = g if isinstance(g, tuple) else (g if isinstance(g, torch.Tensor) else torch.tensor(g),)\n"
+            "g = [t.cuda() if isinstance(t, torch.Tensor) else t for t in g]\n"
+            f"p, d = mmfuse.rope_index(torch.tensor({ids}).cuda(), *g)\n"
             "torch.cuda.synchronize()\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
