@@ -21,6 +21,7 @@ Layers: :func:`fp8_quantize`, :func:`fp8_gemm` (CPU emulation and CUDA/cuBLASLt)
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from . import _lib  # noqa: F401  (registers the ops)
 
@@ -60,7 +61,9 @@ def fp8_quantize(x: Tensor, state: Optional[Tensor] = None, *, rowwise: bool = T
                  dtype: torch.dtype = E4M3, dynamic: bool = True, per_row: bool = False) -> Fp8Quantized:
     """Quantizes ``x [..., C]`` (bf16, fp16 or fp32; flattened to ``[R, C]``) to fp8 in one pass.
 
-    ``q = saturate(round_nearest_even(x * scale))``, written row-major (``rowwise``) and / or transposed
+    ``q = saturate(round_nearest_even(x * scale))``, ``scale = fp8_max / amax`` with amax over the
+    finite values of x (an Inf or NaN element becomes NaN in q: the outputs that read it are
+    non-finite, the others exact; the history records the finite amax), written row-major (``rowwise``) and / or transposed
     (``transposed``), both dims zero-padded to a multiple of 16. ``state``: the amax state (updated in
     place); None: a fresh one. ``dynamic=False`` (delayed): scaled by the history's maximum, or by
     x's own amax when the history is fresh (all zero). ``per_row``: a scale for every row of q (its
@@ -257,23 +260,59 @@ def _pad(t: Tensor, rows: int) -> Tensor:
     return out.view(t.dtype)
 
 
-def fp8_linear_forward(x: Tensor, w: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+_SCRATCH: dict = {}
+
+
+def _scratch_states(dev: torch.device, n: int) -> Tuple[Tensor, ...]:
+    """n one-entry amax states for a dynamically scaled call, made once a (device, stream): dynamic
+    scaling overwrites the entry and the kernels leave the scratch words at zero, so calls in stream
+    order can share them (the seed functions' per-call allocations go)."""
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    key = (dev, stream, n)
+    states = _SCRATCH.get(key)
+    if states is None:
+        states = _SCRATCH[key] = tuple(new_state(1, dev) for _ in range(n))
+    return states
+
+
+def _placeholders(dev: torch.device) -> Tuple[Tensor, Tensor]:
+    """An empty e4m3 tensor and a float32 1 on dev (read only: the operands a call does not use)."""
+    key = (dev, "placeholders")
+    p = _SCRATCH.get(key)
+    if p is None:
+        p = _SCRATCH[key] = (torch.empty(0, dtype=E4M3, device=dev), torch.ones(1, dtype=torch.float32, device=dev))
+    return p
+
+
+def _plain_pays(x2: Tensor, w: Tensor) -> bool:
+    """Fp8Linear's rule for the seed functions: fp8 on the GPU where it pays (fp8_pays); the CPU
+    emulates fp8 always."""
+    return not x2.is_cuda or fp8_pays(x2.shape[0], w.shape[0], w.shape[1])
+
+
+def fp8_linear_forward(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, *, fallback: bool = True) -> Tensor:
     """Seed signature: ``F.linear(x, w, bias)`` in fp8 (x ``[..., K]``, w ``[N, K]`` bf16), dynamic scaling,
     quantize (x and w in one launch) + GEMM with the bias in its epilogue. Not differentiable itself
-    (pair with :func:`fp8_linear_backward`, or use :func:`fp8_linear`)."""
+    (pair with :func:`fp8_linear_backward`, or use :func:`fp8_linear`). ``fallback`` (default, as
+    :class:`mmfuse.nn.Fp8Linear`): on the GPU a shape where fp8 does not pay (:func:`fp8_pays`) runs as
+    bf16 ``F.linear``."""
     if bias is not None and bias.numel() == 0:  # the seed's "no bias"
         bias = None
     _check_linear("mmfuse.fp8_linear_forward", x, w, bias)
-    dev = x.device
-    y = torch.ops.mmfuse.fp8_linear_forward(x.reshape(-1, x.shape[-1]), w, bias, new_state(1, dev), new_state(1, dev),
-                                            None, None, None, True, False, False)[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    if fallback and not _plain_pays(x2, w):
+        return F.linear(x, w, bias)
+    xs, ws = _scratch_states(x.device, 2)
+    y = torch.ops.mmfuse.fp8_linear_forward(x2, w, bias, xs, ws, None, None, None, True, False, False)[0]
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def fp8_linear_backward(g: Tensor, x: Tensor, w: Tensor, masks: Sequence[bool]) -> Tuple[Optional[Tensor], ...]:
+def fp8_linear_backward(g: Tensor, x: Tensor, w: Tensor, masks: Sequence[bool], *,
+                        fallback: bool = True) -> Tuple[Optional[Tensor], ...]:
     """Seed signature: ``(dx, dw, db)`` of ``y = F.linear(x, w, b)`` for the output gradient ``g [..., N]``,
     each computed where ``masks`` (three bools) asks for it, else None. x and w are quantized again
-    (dynamic scaling), g in e5m2; dX and dW are fp8 GEMMs; dtypes follow x."""
+    (dynamic scaling), g in e5m2; dX and dW are fp8 GEMMs; dtypes follow x. ``fallback``: as
+    :func:`fp8_linear_forward` (bf16 GEMMs where fp8 does not pay)."""
     if len(masks) != 3:
         raise ValueError(f"mmfuse.fp8_linear_backward: masks: expected 3 bools (dx, dw, db), got {list(masks)}")
     _check_linear("mmfuse.fp8_linear_backward", x, w, None)
@@ -283,15 +322,20 @@ def fp8_linear_backward(g: Tensor, x: Tensor, w: Tensor, masks: Sequence[bool]) 
     need_dx, need_dw, need_db = (bool(m) for m in masks)
     dev = x.device
     x2 = x.reshape(-1, x.shape[-1])
-    g2 = g.reshape(-1, w.shape[0]).to(torch.bfloat16)
-    xq = fp8_quantize(x2, rowwise=False, transposed=True) if need_dw else None
-    wq = fp8_quantize(w, rowwise=False, transposed=True) if need_dx else None
-    empty8 = torch.empty(0, dtype=E4M3, device=dev)
-    one = torch.ones(1, dtype=torch.float32, device=dev)
+    g2 = g.reshape(-1, w.shape[0])
+    if fallback and not _plain_pays(x2, w):
+        gx = g2.to(x.dtype)
+        return (gx.mm(w.to(x.dtype)).reshape(x.shape) if need_dx else None,
+                gx.t().mm(x2).to(w.dtype) if need_dw else None,
+                gx.float().sum(0).to(x.dtype) if need_db else None)
+    g2 = g2.to(torch.bfloat16)
+    g_state, x_state, w_state = _scratch_states(dev, 3)
+    xq = fp8_quantize(x2, x_state, rowwise=False, transposed=True) if need_dw else None
+    wq = fp8_quantize(w, w_state, rowwise=False, transposed=True) if need_dx else None
+    empty8, one = _placeholders(dev)
     dx, dw, db = torch.ops.mmfuse.fp8_linear_backward(
         g2, xq.qt if xq else empty8, xq.scale_inv_t if xq else one, wq.qt if wq else empty8,
-        wq.scale_inv_t if wq else one, new_state(1, dev), x.shape[-1], True, True, need_dx, need_dw, need_db, False,
-        None, None)
+        wq.scale_inv_t if wq else one, g_state, x.shape[-1], True, True, need_dx, need_dw, need_db, False, None, None)
     return (dx.reshape(x.shape) if need_dx else None, dw if need_dw else None, db if need_db else None)
 
 

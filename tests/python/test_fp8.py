@@ -319,6 +319,16 @@ def test_seed_functions(device):
     assert _rel(dx, gy.double() @ w.double()) <= 0.07 and _rel(dw, gy.double().t() @ x.double()) <= 0.07
     assert _rel(db, gy.double().sum(0)) <= 2 ** -7
     assert fp8.fp8_linear_backward(gy, x, w, (False, True, False))[0] is None
+    # fallback=False: fp8 on the GPU at this small shape too, within fp8's error
+    y8 = fp8.fp8_linear_forward(x, w, b, fallback=False)
+    assert _rel(y8, F.linear(x.double(), w.double(), b.double())) <= 0.045
+    dx8, dw8, _ = fp8.fp8_linear_backward(gy, x, w, (True, True, False), fallback=False)
+    assert _rel(dx8, gy.double() @ w.double()) <= 0.07 and _rel(dw8, gy.double().t() @ x.double()) <= 0.07
+    if device == "cuda":  # fp8 does not pay at 20 x 40 x 24 (fp8_pays): bf16, as Fp8Linear
+        assert not fp8.fp8_pays(20, 24, 40) and torch.equal(y, F.linear(x, w, b))
+        assert torch.equal(dx, gy @ w) and not torch.equal(y8, y)
+    # calls in stream order share their scratch states: the same result again
+    assert torch.equal(fp8.fp8_linear_forward(x, w, b, fallback=False), y8)
     # fp8_mm: pre-scaled operands, odd K, fp32 result = x @ w^T
     a, sa = (x.float() / 0.05).to(fp8.E4M3), torch.tensor(0.05, device=device)
     bb, sb = (w.float() / 0.01).to(fp8.E4M3), torch.tensor(0.01, device=device)
@@ -632,3 +642,28 @@ def test_misuse_is_an_error():
         fp8.fp8_linear(x, torch.randn(32, 32).bfloat16(), weight_fp8=cache)
     with pytest.raises(ValueError, match=r"main_grad: expected float32 \(16, 32\)"):
         fp8.fp8_linear(x, w.requires_grad_(), main_grad=torch.zeros(16, 31))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scaling,recipe", [("dynamic", "tensor"), ("delayed", "tensor"), ("dynamic", "row")])
+def test_non_finite_input_spoils_only_its_rows(device, scaling, recipe):
+    """One Inf and one NaN in x: the rows of y that read them are non-finite (as F.linear's), every
+    other row equals the output of the same x with zeros there; the delayed history keeps the finite
+    amax, so the next call is unaffected."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(48, 64, generator=g).to(torch.bfloat16).to(device)
+    w = (torch.randn(32, 64, generator=g) / 8).to(torch.bfloat16).to(device)
+    bad = x.clone()
+    bad[3, 7], bad[20, 0] = float("inf"), float("nan")
+    zeroed = x.clone()
+    zeroed[3, 7], zeroed[20, 0] = 0.0, 0.0
+    st = dict(x_state=fp8.new_state(4, device), w_state=fp8.new_state(1, device), g_state=fp8.new_state(4, device))
+    st0 = {k: v.clone() for k, v in st.items()}
+    y = fp8.fp8_linear(bad, w, scaling=scaling, recipe=recipe, **(st if recipe == "tensor" else {}))
+    want = fp8.fp8_linear(zeroed, w, scaling=scaling, recipe=recipe, **(st0 if recipe == "tensor" else {}))
+    rows = torch.ones(48, dtype=torch.bool, device=device)
+    rows[[3, 20]] = False
+    assert not torch.isfinite(y[~rows]).all(dim=1).any()
+    assert torch.equal(y[rows], want[rows])
+    if recipe == "tensor":
+        assert torch.equal(st["x_state"], st0["x_state"]) and torch.isfinite(st["x_state"]).all()
