@@ -132,4 +132,8 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, int ignore_index, "
         "str reduction, float label_smoothing, float z_loss, float softcap, int chunk_tokens, bool compute_grads) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
+  // one chunk's fp32 logits -> (loss [C] fp32, the gradient of sum(row_scale * loss) w.r.t. the logits
+  // [C, V] in g_dtype, or [0, V] without want_grad); include/mmfuse/linear_cross_entropy.h
+  m.def("linear_cross_entropy_logits_grad(Tensor z, Tensor labels, Tensor row_scale, int ignore_index, "
+        "float label_smoothing, float z_loss, float softcap, ScalarType g_dtype, bool want_grad) -> (Tensor, Tensor)");
 }

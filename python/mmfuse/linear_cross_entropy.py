@@ -2,8 +2,9 @@
 without ever holding the ``[T, V]`` logits.
 
 The tokens go in chunks: each chunk's logits (fp32 accumulation, fp32 out) are reduced to its loss
-and log-sum-exp and turned into their gradient in place, which is folded into ``d_hidden`` and
-(accumulated in fp32) ``d_weight`` right away. With ``reduction="mean"`` or ``"sum"`` the gradients
+and log-sum-exp and turned into their gradient by one kernel (``linear_cross_entropy_logits_grad``:
+two reads of the logits, one write of the gradient in hidden's dtype), which is folded into
+``d_hidden`` and (accumulated in fp32) ``d_weight`` right away. With ``reduction="mean"`` or ``"sum"`` the gradients
 are computed in the forward (the backward only scales them by the incoming gradient: three GEMMs in
 all, as an unfused step); with ``"none"`` the backward recomputes each chunk's logits and weighs the
 rows by the incoming per-token gradient. Peak extra memory: one chunk's fp32 logits plus the fp32
@@ -76,19 +77,24 @@ def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss,
                                                                                                           dtype=torch.float32)
     db = torch.zeros(V, dtype=torch.float32, device=hidden.device) if need_grads and bias is not None \
         else hidden.new_empty(0, dtype=torch.float32)
+    fused = hidden.dtype != torch.float64  # fp32 logits: the fused kernel; fp64 (gradcheck): PyTorch ops
     for i in range(0, T, chunk):
         h = hidden[i:i + chunk]
         y = labels[i:i + chunk]
-        valid = y != ignore_index
         z = _logits(h, weight, bias)
-        loss, g = _chunk_grad(z, y, valid, label_smoothing, z_loss, softcap)
+        rw = row_weight[i:i + chunk] if row_weight.dim() else row_weight.expand(h.shape[0])
+        if fused:
+            loss, gd = torch.ops.mmfuse.linear_cross_entropy_logits_grad(
+                z, y, rw.float().contiguous(), ignore_index, label_smoothing, z_loss, softcap, hidden.dtype, need_grads)
+        else:
+            valid = y != ignore_index
+            loss, g = _chunk_grad(z, y, valid, label_smoothing, z_loss, softcap)
+            gd = (g * rw[:, None]).to(hidden.dtype)
         losses[i:i + chunk] = loss
         if not need_grads:
             continue
-        g = g * row_weight[i:i + chunk, None] if row_weight.dim() else g * row_weight
         if bias is not None:
-            db += g.sum(0)
-        gd = g.to(hidden.dtype)
+            db += gd.float().sum(0)
         dh[i:i + chunk] = gd @ weight
         if hidden.dtype in (torch.float32, torch.float64):
             dw += (gd.t() @ h).to(dw.dtype)
@@ -174,6 +180,12 @@ def _fake(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing
     grads = reduction != "none" and compute_grads
     return (loss, hidden.new_empty(T if grads else 0, H), hidden.new_empty(V if grads else 0, H, dtype=torch.float32),
             hidden.new_empty(V if grads and bias is not None else 0, dtype=torch.float32))
+
+
+@torch.library.register_fake("mmfuse::linear_cross_entropy_logits_grad")
+def _logits_grad_fake(z, labels, row_scale, ignore_index, label_smoothing, z_loss, softcap, g_dtype, want_grad):
+    C, V = z.shape
+    return z.new_empty(C, dtype=torch.float32), z.new_empty(C if want_grad else 0, V, dtype=g_dtype)
 
 
 def _setup_context(ctx, inputs, output):

@@ -72,6 +72,11 @@ def test_opcheck_and_compile():
     for red in ("mean", "none"):
         torch.library.opcheck(torch.ops.mmfuse.linear_cross_entropy.default,
                               (h, w, y, None, -100, red, 0.0, 0.0, 0.0, 4, red == "mean"))
+    z = torch.randn(6, 19)
+    rs = torch.rand(6)
+    for want_grad in (True, False):
+        torch.library.opcheck(torch.ops.mmfuse.linear_cross_entropy_logits_grad.default,
+                              (z, y[:6], rs, -100, 0.1, 1e-3, 20.0, torch.bfloat16, want_grad))
     fn = torch.compile(lambda a, b: mmfuse.linear_cross_entropy(a, b, y, chunk_tokens=3), fullgraph=True)
     assert torch.allclose(fn(h, w), mmfuse.linear_cross_entropy(h, w, y, chunk_tokens=3))
 
@@ -94,3 +99,5 @@ def test_bad_input():
         mmfuse.linear_cross_entropy(h, w.double(), torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="reduction: expected one of"):
         mmfuse.linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), reduction="avg")
+    with pytest.raises(ValueError, match=r"labels\[2\] = 11: expected a class in \[0, 11\) or ignore_index -100"):
+        mmfuse.linear_cross_entropy(h.bfloat16(), w.bfloat16(), torch.tensor([0, 3, 11, -100]))

@@ -1,0 +1,149 @@
+// linear_cross_entropy's logits gradient on the CPU and CUDA against a float64 reference from the same
+// fp32 logits: label smoothing, z-loss and the softcap each on and off, ignored rows, padded rows, odd
+// and vocabulary-size widths, bf16 / fp16 / fp32 gradients; outputs poisoned first; bad input names
+// the argument.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "mmfuse/linear_cross_entropy.h"
+#include "test_util.h"
+
+using namespace mmfuse;
+using namespace mmfuse::test;
+
+namespace {
+
+struct Opts {
+  float eps, zl, cap;
+};
+
+template <class S>
+void run_case(int64_t C, int64_t V, int64_t pad, Opts o, std::mt19937_64& rng, bool on_gpu) {
+  const int64_t ld = V + pad;
+  const int64_t ignore = -100;
+  std::vector<float> z = random_vec<float>(size_t(std::max<int64_t>(1, C * ld)), rng, -8.0, 8.0);
+  std::vector<int64_t> y(size_t(std::max<int64_t>(1, C)));
+  std::vector<float> rs(y.size()), loss(y.size());
+  std::uniform_int_distribution<int64_t> cls(0, V - 1);
+  for (int64_t r = 0; r < C; ++r) {
+    y[size_t(r)] = r % 5 == 3 ? ignore : cls(rng);
+    rs[size_t(r)] = float(0.25 + 0.5 * double(r % 3));
+  }
+  std::vector<S> g(size_t(std::max<int64_t>(1, C * ld)));
+  poison(g);
+  poison(loss);
+  if (!on_gpu) {
+    TensorView lv = host_view(loss.data(), DType::kFloat32, {C}), gv = host_view(g.data(), dtype_of<S>(), {C, V}, {ld, 1});
+    linear_cross_entropy_logits_grad(host_view(z.data(), DType::kFloat32, {C, V}, {ld, 1}),
+                                     host_view(y.data(), DType::kInt64, {C}), host_view(rs.data(), DType::kFloat32, {C}),
+                                     ignore, o.eps, o.zl, o.cap, lv, gv, nullptr);
+  } else {
+#ifdef MMFUSE_WITH_CUDA
+    DeviceBuffer<float> dz(z), drs(rs), dl(loss);
+    DeviceBuffer<int64_t> dy(y);
+    DeviceBuffer<S> dg(g);
+    Stream st;
+    TensorView lv = device_view(dl.ptr, DType::kFloat32, {C}), gv = device_view(dg.ptr, dtype_of<S>(), {C, V}, {ld, 1});
+    linear_cross_entropy_logits_grad(device_view(dz.ptr, DType::kFloat32, {C, V}, {ld, 1}),
+                                     device_view(dy.ptr, DType::kInt64, {C}), device_view(drs.ptr, DType::kFloat32, {C}),
+                                     ignore, o.eps, o.zl, o.cap, lv, gv, st.s);
+    ASSERT_EQ(cudaStreamSynchronize(st.s), cudaSuccess);
+    loss = dl.download();
+    g = dg.download();
+#endif
+  }
+  const double u = unit_roundoff<S>();
+  // half the smallest subnormal step of the dtype: the absolute error of a rounding near zero
+  const double sub = std::is_same_v<S, f16> ? std::ldexp(1.0, -25) : std::is_same_v<S, bf16> ? std::ldexp(1.0, -134)
+                                                                                               : std::ldexp(1.0, -150);
+  const std::string where = detail::cat("C", C, " V", V, " pad ", pad, " eps ", o.eps, " z_loss ", o.zl, " cap ", o.cap,
+                                        on_gpu ? " CUDA" : " CPU");
+  for (int64_t r = 0; r < C; ++r) {
+    const float* zr = z.data() + r * ld;
+    const int64_t yr = y[size_t(r)];
+    auto soft = [&](double v) { return o.cap > 0 ? o.cap * std::tanh(v / o.cap) : v; };
+    if (yr == ignore) {
+      ASSERT_EQ(loss[size_t(r)], 0.0f) << where << " ignored row " << r;
+      for (int64_t j = 0; j < V; ++j) ASSERT_EQ(as_double(g[size_t(r * ld + j)]), 0.0) << where << " ignored row";
+      continue;
+    }
+    double m = -INFINITY, s = 0, zsum = 0;
+    for (int64_t j = 0; j < V; ++j) m = std::max(m, soft(zr[j]));
+    for (int64_t j = 0; j < V; ++j) {
+      s += std::exp(soft(zr[j]) - m);
+      zsum += soft(zr[j]);
+    }
+    const double lse = m + std::log(s);
+    const double l_ref = (1 - o.eps) * (lse - soft(zr[yr])) + o.eps * (lse - zsum / double(V)) + o.zl * lse * lse;
+    ASSERT_NEAR(loss[size_t(r)], l_ref, 2e-5 * (std::abs(l_ref) + std::abs(lse))) << where << " loss row " << r;
+    for (int64_t j = 0; j < V; ++j) {
+      const double v = soft(zr[j]), p = std::exp(v - lse);
+      double d = p * (1 + 2 * o.zl * lse) - o.eps / double(V) - (j == yr ? 1 - o.eps : 0.0);
+      if (o.cap > 0) d *= 1 - (v / o.cap) * (v / o.cap);
+      const double want = d * rs[size_t(r)];
+      // one rounding of the dtype after fp32 math: exp's and the lse's error scale p; the terms'
+      // own roundings scale their sizes
+      const double terms = p * (1 + 2 * o.zl * std::abs(lse)) + o.eps / double(V) + (j == yr ? 1.0 : 0.0);
+      const double tol = u * std::abs(want) +
+                         rs[size_t(r)] * (4e-6 * p * (1 + 2 * o.zl * std::abs(lse)) * (1 + std::abs(v - lse)) +
+                                          8 * std::ldexp(1.0, -24) * terms) + sub;
+      ASSERT_NEAR(as_double(g[size_t(r * ld + j)]), want, tol) << where << " g row " << r << " col " << j;
+    }
+    for (int64_t j = V; j < ld; ++j) ASSERT_TRUE(std::isnan(as_double(g[size_t(r * ld + j)]))) << where << " pad";
+  }
+}
+
+const Opts kOpts[] = {{0, 0, 0}, {0.1f, 0, 0}, {0, 1e-3f, 0}, {0, 0, 30.0f}, {0.05f, 1e-4f, 15.0f}};
+const int64_t kShapes[][3] = {{1, 1, 0}, {7, 13, 3}, {16, 1000, 0}, {9, 4099, 5}, {3, 151936, 0}};
+
+template <class S>
+void all_cases(bool on_gpu) {
+  std::mt19937_64 rng(test_seed());
+  for (const auto& s : kShapes)
+    for (const Opts& o : kOpts) run_case<S>(s[0], s[1], s[2], o, rng, on_gpu);
+}
+
+}  // namespace
+
+TEST(LinearCrossEntropyCpu, LogitsGradAgainstFloat64) {
+  all_cases<bf16>(false);
+  all_cases<f16>(false);
+  all_cases<float>(false);
+}
+
+TEST(LinearCrossEntropyCpu, BadInputNamesTheProblem) {
+  std::vector<float> z(12), rs(3), loss(3);
+  std::vector<int64_t> y = {0, 5, 1};
+  std::vector<bf16> g(12);
+  TensorView zv = host_view(z.data(), DType::kFloat32, {3, 4}), yv = host_view(y.data(), DType::kInt64, {3});
+  TensorView rv = host_view(rs.data(), DType::kFloat32, {3}), lv = host_view(loss.data(), DType::kFloat32, {3});
+  TensorView gv = host_view(g.data(), DType::kBFloat16, {3, 4});
+  expect_error([&] { linear_cross_entropy_logits_grad(zv, yv, rv, -100, 0, 0, 0, lv, gv, nullptr); },
+               "linear_cross_entropy: labels[1] = 5: expected a class in [0, 4) or ignore_index -100");
+  y[1] = 2;
+  expect_error([&] {
+    TensorView zb = host_view(g.data(), DType::kBFloat16, {3, 4});
+    linear_cross_entropy_logits_grad(zb, yv, rv, -100, 0, 0, 0, lv, gv, nullptr);
+  }, "linear_cross_entropy_logits_grad: z: expected dtype float32, got bfloat16");
+  expect_error([&] { linear_cross_entropy_logits_grad(zv, yv, rv, -100, 1.0f, 0, 0, lv, gv, nullptr); },
+               "expected 0 <= label_smoothing < 1");
+  expect_error([&] {
+    TensorView over = host_view(z.data(), DType::kFloat32, {3});
+    linear_cross_entropy_logits_grad(zv, yv, rv, -100, 0, 0, 0, over, gv, nullptr);
+  }, "linear_cross_entropy_logits_grad: loss overlaps z");
+  TensorView none;
+  linear_cross_entropy_logits_grad(zv, yv, rv, -100, 0, 0, 0, lv, none, nullptr);  // the loss alone
+}
+
+#ifdef MMFUSE_WITH_CUDA
+TEST(LinearCrossEntropyCuda, LogitsGradAgainstFloat64) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  all_cases<bf16>(true);
+  all_cases<f16>(true);
+  all_cases<float>(true);
+}
+#endif
