@@ -1,4 +1,4 @@
-"""mmfuse.integrations.transformers: a tiny random-weight Qwen2.5-VL of the installed transformers
+"""mmfuse.integrations.transformers: a tiny random-weight Qwen2.5-VL (and Qwen2-VL) of the installed transformers
 (4.49-4.57 or 5.x; CI runs the oldest and newest of each), patched against unpatched, on a batch of
 text, images and a video with padding: equal logits and gradients where the patch is exact, close where
 it rounds differently, the loss without logits, fp8 and the Trainer callback, and every change reverted."""
@@ -11,27 +11,28 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mmfuse.bench.qwen2_5_vl import PRESETS, make_batch, make_model, takes_token_types  # noqa: E402
-from mmfuse.integrations import qwen2_5_vl as Q  # noqa: E402
-from mmfuse.integrations.transformers import PatchCallback, patch_qwen2_5_vl  # noqa: E402
+from mmfuse.bench.qwen_vl import PRESETS, make_batch, make_model, takes_token_types  # noqa: E402
+from mmfuse.integrations import qwen_vl as Q  # noqa: E402
+from mmfuse.integrations.transformers import PatchCallback, patch_qwen2_5_vl, patch_qwen2_vl  # noqa: E402
 
 m, VERSION = Q.modeling()
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 HAS_TYPES = takes_token_types()
+FAMILIES = {"qwen2_5_vl": (Q.QWEN2_5_VL, patch_qwen2_5_vl), "qwen2_vl": (Q.QWEN2_VL, patch_qwen2_vl)}
 
 
-def _model(device, dtype):
-    return make_model("tiny", layers=2, vision_depth=3, fullatt=(1,), device=device, dtype=dtype)
+def _model(device, dtype, family="qwen2_5_vl"):
+    return make_model("tiny", family=family, layers=2, vision_depth=3, fullatt=(1,), device=device, dtype=dtype)
 
 
-def _batch(device, dtype, labels=False):
+def _batch(device, dtype, labels=False, family="qwen2_5_vl"):
     """Two rows: text, an image (merged 4 x 6, window side 56/2/14 = 2), text, a video, text, right-padded;
     text, a smaller image, text, left-padded."""
     rows = [[("text", 2), ("image", (1, 8, 12)), ("text", 2), ("video", (2, 4, 8)), ("text", 1)],
             [("text", 1), ("image", (1, 6, 4)), ("text", 3)]]
     p = PRESETS["tiny"]
     b = make_batch(rows, ids=p["ids"], vocab=p["text"]["vocab_size"], length=45, left_padded=(1,), device=device,
-                   dtype=dtype)
+                   dtype=dtype, family=family)
     if not labels:
         del b["labels"]
     return b
@@ -51,10 +52,11 @@ def _run(model, batch):
     return logits.detach().clone(), grads, _deltas(model).clone()
 
 
-def _snapshot():
+def _snapshot(spec=Q.QWEN2_5_VL):
     """Every attribute a full patch may touch, as it is now."""
-    owners = [m, m.Qwen2_5_VLModel, m.Qwen2_5_VLForConditionalGeneration, m.Qwen2_5_VisionTransformerPretrainedModel,
-              Q.rms_norm_class(m), m.Qwen2MLP, m.Qwen2_5_VLMLP]
+    mod, _ = Q.modeling(spec)
+    owners = [mod, getattr(mod, spec.model), getattr(mod, spec.for_cg), getattr(mod, spec.vision),
+              Q.rms_norm_class(spec, mod)] + [getattr(mod, n) for n in spec.mlps]
     return [dict(vars(o)) for o in owners]
 
 
@@ -69,25 +71,29 @@ BASE = dict(positions=POSITIONS)
 EXACT = dict(BASE, rms_norm=False, swiglu=False, linear_cross_entropy=False)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_positions_and_rope_exact(device, dtype, monkeypatch):
+def test_positions_and_rope_exact(device, dtype, family, monkeypatch):
     """positions=True, rope=True: logits, rope deltas and gradients bitwise equal to transformers'."""
     import mmfuse.positions as P
     import mmfuse.rope as R
 
-    model = _model(device, dtype)
-    batch = _batch(device, dtype)
-    before = _snapshot()
+    spec, patch = FAMILIES[family]
+    model = _model(device, dtype, family)
+    batch = _batch(device, dtype, family=family)
+    before = _snapshot(spec)
     want_logits, want_grads, want_deltas = _run(model, batch)
     calls = {}
     for mod, name in ((P, "rope_index"), (P, "window_index"), (R, "mrope")):
         _counting(monkeypatch, mod, name, calls)
-    with patch_qwen2_5_vl(**EXACT):
-        assert _snapshot() != before
+    with patch(**EXACT):
+        assert _snapshot(spec) != before
         got_logits, got_grads, got_deltas = _run(model, batch)
-    assert calls.get("mrope") and (not POSITIONS or calls.get("rope_index") and calls.get("window_index")), calls
-    assert _snapshot() == before  # reverted
+    windows = family == "qwen2_5_vl"
+    assert calls.get("mrope") and (not POSITIONS or calls.get("rope_index") and
+                                   bool(calls.get("window_index")) == windows), calls
+    assert _snapshot(spec) == before  # reverted
     assert torch.equal(got_deltas, want_deltas)
     assert torch.equal(got_logits, want_logits)
     assert got_grads.keys() == want_grads.keys()
@@ -99,23 +105,27 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_and_mlp_close_to_unpatched(device, dtype, monkeypatch):
+def test_norm_and_mlp_close_to_unpatched(device, dtype, family, monkeypatch):
     """rms_norm=True, swiglu=True: every RMSNorm and MLP of the text and vision towers through mmfuse
     (counted), logits and gradients close to transformers' own (fp32 tight; bf16 to bf16 rounding)."""
-    model = _model(device, dtype)
-    batch = _batch(device, dtype)
-    before = _snapshot()
+    spec, patch = FAMILIES[family]
+    model = _model(device, dtype, family)
+    batch = _batch(device, dtype, family=family)
+    before = _snapshot(spec)
     want_logits, want_grads, _ = _run(model, batch)
     calls = {}
     _counting(monkeypatch, Q, "_rms_norm", calls)
     _counting(monkeypatch, Q, "_swiglu", calls)
-    with patch_qwen2_5_vl(**BASE, linear_cross_entropy=False):
+    with patch(**BASE, linear_cross_entropy=False):
         got_logits, got_grads, _ = _run(model, batch)
-    # text: 2 layers x 2 norms + the final one; vision: 3 blocks x 2 norms (+ the merger's); MLPs: 2 + 3
-    assert calls["_rms_norm"] >= 2 * 2 + 1 + 3 * 2 and calls["_swiglu"] >= 2 + 3, calls
-    assert _snapshot() == before
+    # text: 2 layers x 2 norms + the final one (Qwen2.5-VL's vision: 3 blocks x 2 norms, the merger's,
+    # and 3 MLPs more)
+    vision = family == "qwen2_5_vl"
+    assert calls["_rms_norm"] >= 2 * 2 + 1 + vision * 3 * 2 and calls["_swiglu"] >= 2 + vision * 3, calls
+    assert _snapshot(spec) == before
     assert _rel(got_logits, want_logits) <= (1e-4 if dtype == torch.float32 else 5e-2)
     for n, g in want_grads.items():
         assert _rel(got_grads[n], g) <= (1e-3 if dtype == torch.float32 else 0.1), n
@@ -128,19 +138,21 @@ def _train_step(model, batch, **kw):
     return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_cross_entropy_loss(device, dtype, monkeypatch):
+def test_linear_cross_entropy_loss(device, dtype, family, monkeypatch):
     """linear_cross_entropy=True in training: the loss through mmfuse.linear_cross_entropy (counted), no
     logits, loss and gradients close to transformers' causal-LM loss; in eval the logits come back."""
     from mmfuse.integrations import causal_lm_loss as C
 
-    model = _model(device, dtype).train()
-    batch = _batch(device, dtype, labels=True)
+    patch = FAMILIES[family][1]
+    model = _model(device, dtype, family).train()
+    batch = _batch(device, dtype, labels=True, family=family)
     want, want_grads = _train_step(model, batch)
     calls = {}
     _counting(monkeypatch, C, "linear_cross_entropy", calls)
-    with patch_qwen2_5_vl(**dict(EXACT, linear_cross_entropy=True)):
+    with patch(**dict(EXACT, linear_cross_entropy=True)):
         got, got_grads = _train_step(model, batch)
         assert got.logits is None and calls.get("linear_cross_entropy") == 1
         model.eval()

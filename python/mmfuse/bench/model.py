@@ -18,7 +18,7 @@ import torch
 
 from ..integrations.transformers import patch_qwen2_5_vl
 from .common import time_us
-from .qwen2_5_vl import PRESETS, make_batch, make_model
+from .qwen_vl import PRESETS, make_batch, make_model
 
 
 def _rows_of(preset: str, batch: int, seq: int) -> List[list]:

@@ -31,20 +31,22 @@ or ``patch = patch_qwen2_5_vl(model); patch.apply(); ...; patch.revert()``; with
 ``Trainer``: ``Trainer(..., callbacks=[PatchCallback()])`` applies the patch to the trained model for
 the run. The patch changes functions and methods of transformers' modules (every model of these classes
 is affected while it is active; in 4.49-5.1 the RMSNorm class is Qwen2's own, shared with Qwen2 models).
-What it replaces in each transformers layout: :mod:`mmfuse.integrations.qwen2_5_vl`.
+What it replaces in each transformers layout: :mod:`mmfuse.integrations.qwen_vl`.
+:class:`patch_qwen2_vl` does the same for Qwen2-VL.
 """
 
 from typing import Optional
 
 import torch
 
-from . import qwen2_5_vl as _q
+from . import qwen_vl as _q
 
 _MISSING = object()
 
 
 class patch_qwen2_5_vl:
-    """Scoped patch (a context manager, or ``apply()`` / ``revert()``); see the module docstring.
+    """Scoped patch of Qwen2.5-VL (a context manager, or ``apply()`` / ``revert()``); see the module
+    docstring.
 
     Args:
         model: the model to convert for ``fp8`` (not needed otherwise: the rest patches the classes).
@@ -65,12 +67,15 @@ class patch_qwen2_5_vl:
         self._saved = []    # (owner, attribute, previous value or _MISSING)
         self._swapped = []  # (parent module, child name, the nn.Linear put back on revert)
 
+    spec = _q.QWEN2_5_VL
+
     def _targets(self):
-        m, v = _q.modeling()
+        spec = self.spec
+        m, v = _q.modeling(spec)
         pieces = [(self.positions, _q.text_positions_targets), (self.positions, _q.vision_positions_targets),
                   (self.rope, _q.rope_targets), (self.rms_norm, _q.rms_norm_targets),
                   (self.swiglu, _q.swiglu_targets), (self.linear_cross_entropy, _q.linear_cross_entropy_targets)]
-        return [t for on, make in pieces if on for t in make(m, v)]
+        return [t for on, make in pieces if on for t in make(spec, m, v)]
 
     def apply(self):
         if self._saved or self._swapped:
@@ -111,6 +116,13 @@ class patch_qwen2_5_vl:
         return False
 
 
+class patch_qwen2_vl(patch_qwen2_5_vl):
+    """The same patch for Qwen2-VL (its text decoder, positions, RoPE and loss; its vision tower has no
+    windows and a GELU MLP, which stay transformers' own)."""
+
+    spec = _q.QWEN2_VL
+
+
 def _trainer_callback_base():
     try:
         from transformers import TrainerCallback
@@ -120,15 +132,17 @@ def _trainer_callback_base():
 
 
 class PatchCallback(_trainer_callback_base()):
-    """A transformers ``TrainerCallback`` that applies :class:`patch_qwen2_5_vl` (with these keyword
-    arguments) to the trained model when training begins and reverts it when training ends."""
+    """A transformers ``TrainerCallback`` that applies :class:`patch_qwen2_5_vl` (or ``patch``, e.g.
+    :class:`patch_qwen2_vl`), with these keyword arguments, to the trained model when training begins
+    and reverts it when training ends."""
 
-    def __init__(self, **patch_kwargs):
+    def __init__(self, patch=None, **patch_kwargs):
+        self.patch_cls = patch or patch_qwen2_5_vl
         self.patch_kwargs = patch_kwargs
         self.patch = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.patch = patch_qwen2_5_vl(model, **self.patch_kwargs).apply()
+        self.patch = self.patch_cls(model, **self.patch_kwargs).apply()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.patch is not None:
@@ -136,4 +150,4 @@ class PatchCallback(_trainer_callback_base()):
             self.patch = None
 
 
-__all__ = ["PatchCallback", "patch_qwen2_5_vl"]
+__all__ = ["PatchCallback", "patch_qwen2_5_vl", "patch_qwen2_vl"]

@@ -1,5 +1,7 @@
-"""What :class:`mmfuse.integrations.transformers.patch_qwen2_5_vl` replaces in the installed transformers'
-Qwen2.5-VL, found by the module's layout, which changed several times:
+"""What :class:`mmfuse.integrations.transformers.patch_qwen2_5_vl` (and ``patch_qwen2_vl``) replaces in the
+installed transformers' Qwen2.5-VL (Qwen2-VL), found by the module's layout, which changed several times
+(the table names Qwen2.5-VL's classes; Qwen2-VL has the same pieces but the vision windows and the
+vision SwiGLU MLP, its videos' time index the frame number):
 
 ==================  =====================================  ===========================================
 piece               where it lives                         mmfuse
@@ -21,12 +23,14 @@ loss                ``Qwen2_5_VLForConditionalGeneration   :func:`mmfuse.linear_
                     .forward``
 ==================  =====================================  ===========================================
 
-Each ``*_targets`` function returns ``[(owner, attribute, replacement)]`` for one piece, or raises
-ImportError naming the piece and the version when the layout is not one of these.
+Each ``*_targets(spec, m, v)`` function returns ``[(owner, attribute, replacement)]`` for one piece, or
+raises ImportError naming the piece and the version when the layout is not one of these.
 """
 
 import inspect
 import re
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -40,22 +44,43 @@ from .causal_lm_loss import wrap_forward
 SUPPORTED = "transformers 4.49-4.57 and 5.0-5.2, 5.8 and later 5.x"
 
 
+@dataclass(frozen=True)
+class Spec:
+    """A model family's names in transformers."""
+    name: str                  # for messages
+    module: str                # transformers.models.<module>
+    model: str                 # the model class (get_rope_index from 4.52)
+    for_cg: str                # the *ForConditionalGeneration class
+    vision: str                # the vision tower class
+    norms: Tuple[str, ...]     # RMSNorm class names, the first present is patched
+    mlps: Tuple[str, ...]      # SwiGLU MLP classes
+    tokens_per_second: Optional[float]  # None: the vision config's; Qwen2-VL: 1 (time = frame index)
+
+
+QWEN2_5_VL = Spec("Qwen2.5-VL", "qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel",
+                  "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VisionTransformerPretrainedModel",
+                  ("Qwen2_5_VLRMSNorm", "Qwen2RMSNorm"), ("Qwen2MLP", "Qwen2_5_VLMLP"), None)
+QWEN2_VL = Spec("Qwen2-VL", "qwen2_vl.modeling_qwen2_vl", "Qwen2VLModel", "Qwen2VLForConditionalGeneration",
+                "Qwen2VisionTransformerPretrainedModel", ("Qwen2VLRMSNorm", "Qwen2RMSNorm"), ("Qwen2MLP",), 1.0)
+
+
 def version_tuple(v: str):
     """'4.57.1' -> (4, 57, 1); pre-release and local suffixes dropped."""
     return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
 
 
-def modeling():
-    """(the installed ``modeling_qwen2_5_vl`` module, transformers' version tuple)."""
+def modeling(spec: Spec = QWEN2_5_VL):
+    """(the installed modeling module of the spec's family, transformers' version tuple)."""
+    import importlib
     try:
         import transformers
-        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+        m = importlib.import_module(f"transformers.models.{spec.module}")
     except ImportError as e:
-        raise ImportError(f"mmfuse.integrations.transformers needs transformers ({SUPPORTED}) with Qwen2.5-VL") from e
+        raise ImportError(f"mmfuse.integrations.transformers needs transformers ({SUPPORTED}) with {spec.name}") from e
     v = version_tuple(transformers.__version__)
     if v < (4, 49):
         raise ImportError(f"mmfuse.integrations.transformers: transformers {transformers.__version__} has no "
-                          f"Qwen2.5-VL layout mmfuse patches: supported are {SUPPORTED}")
+                          f"{spec.name} layout mmfuse patches: supported are {SUPPORTED}")
     return m, v
 
 
@@ -70,20 +95,25 @@ def _binder(fn):
     return bind
 
 
-def _unknown(piece, v):
-    return ImportError(f"mmfuse patch_qwen2_5_vl: the {piece} of transformers {'.'.join(map(str, v))}'s Qwen2.5-VL "
+def _unknown(spec, piece, v):
+    return ImportError(f"mmfuse patch: the {piece} of transformers {'.'.join(map(str, v))}'s {spec.name} "
                        f"are not a layout mmfuse knows (supported: {SUPPORTED}); pass {piece.split()[0]}=False to "
                        f"leave them to transformers")
 
 
 # ---- positions ----------------------------------------------------------------------------------
 
-def text_positions_targets(m, v):
-    owner = m.Qwen2_5_VLModel if "get_rope_index" in vars(m.Qwen2_5_VLModel) else \
-        m.Qwen2_5_VLForConditionalGeneration
+def rope_index_owner(spec, m):
+    """The class whose get_rope_index the model calls (the model from 4.52, before that the For... class)."""
+    model = getattr(m, spec.model)
+    return model if "get_rope_index" in vars(model) else getattr(m, spec.for_cg)
+
+
+def text_positions_targets(spec, m, v):
+    owner = rope_index_owner(spec, m)
     orig = vars(owner).get("get_rope_index")
     if orig is None:
-        raise _unknown("positions (get_rope_index)", v)
+        raise _unknown(spec, "positions (get_rope_index)", v)
     params = inspect.signature(orig).parameters
     pad_zero = False
     if "mm_token_type_ids" in params:
@@ -92,10 +122,11 @@ def text_positions_targets(m, v):
                               f"get_rope_index (5.3-5.7) takes a video's seconds per grid for each image; mmfuse's "
                               f"hf5 mode is 5.8 and later: upgrade, or pass positions=False")
         mode = "hf5"
-    elif owner is m.Qwen2_5_VLForConditionalGeneration:
+    elif owner is getattr(m, spec.for_cg):
         mode = "qwen"
     else:
         mode, pad_zero = "hf4", v >= (5, 2)
+    clamp_deltas = pad_zero and spec.name == "Qwen2-VL"  # 5.2's Qwen2-VL floors the deltas at 0
     bind = _binder(orig)
 
     def get_rope_index(self, *args, **kwargs):
@@ -109,22 +140,24 @@ def text_positions_targets(m, v):
             ids, a.get("image_grid_thw"), a.get("video_grid_thw"), a.get("second_per_grid_ts"), mask,
             spatial_merge_size=vc.spatial_merge_size, image_token_id=cfg.image_token_id,
             video_token_id=cfg.video_token_id, vision_start_token_id=cfg.vision_start_token_id,
-            tokens_per_second=float(getattr(vc, "tokens_per_second", 2.0)), mode=mode,
+            tokens_per_second=float(spec.tokens_per_second or getattr(vc, "tokens_per_second", 2.0)), mode=mode,
             mm_token_type_ids=a.get("mm_token_type_ids"))
         if pad_zero and mask is not None:  # 5.2 starts from zeros where 4.52-5.1 start from ones
             pos = pos.masked_fill(mask[None] == 0, 0)
+        if clamp_deltas:
+            deltas = deltas.clamp_min(0)
         return pos, deltas
 
     return [(owner, "get_rope_index", get_rope_index)]
 
 
-def vision_positions_targets(m, v):
-    if hasattr(m, "get_vision_window_index") and hasattr(m, "get_vision_position_ids"):
-        return _vision_hooks(m, v)
-    vm = m.Qwen2_5_VisionTransformerPretrainedModel
-    if not ("rot_pos_emb" in vars(vm) and "get_window_index" in vars(vm)):
-        raise _unknown("positions (vision tower)", v)
-    orig_rot, orig_win = vars(vm)["rot_pos_emb"], vars(vm)["get_window_index"]
+def vision_positions_targets(spec, m, v):
+    if hasattr(m, "get_vision_position_ids"):
+        return _vision_hooks(spec, m, v)
+    vm = getattr(m, spec.vision)
+    if "rot_pos_emb" not in vars(vm):
+        raise _unknown(spec, "positions (vision tower)", v)
+    orig_rot = vars(vm)["rot_pos_emb"]
 
     def rot_pos_emb(self, grid_thw):
         inv_freq = self.rotary_pos_emb.inv_freq
@@ -136,18 +169,21 @@ def vision_positions_targets(m, v):
         w = _positions.window_index(grid_thw, self.spatial_merge_size, self.window_size, self.patch_size)
         return w.window_index, w.cu_window_seqlens.tolist()  # a list, as the forward expects
 
-    del orig_win
-    return [(vm, "rot_pos_emb", rot_pos_emb), (vm, "get_window_index", get_window_index)]
+    targets = [(vm, "rot_pos_emb", rot_pos_emb)]
+    if "get_window_index" in vars(vm):  # Qwen2.5-VL's windows
+        targets.append((vm, "get_window_index", get_window_index))
+    return targets
 
 
-def _vision_hooks(m, v):
+def _vision_hooks(spec, m, v):
     """transformers' precomputed-kwargs hooks (5.10+): each computes its value unless ``kwargs`` holds
     it; ours compute with mmfuse, one :func:`mmfuse.window_index` leaving the window order in ``kwargs``
     for the window hook that follows."""
     from transformers.utils import generic as _generic
     flash_requested = getattr(_generic, "is_flash_attention_requested", None)
-    orig_pos, orig_win = m.get_vision_position_ids, m.get_vision_window_index
-    bind_pos, bind_win = _binder(orig_pos), _binder(orig_win)
+    orig_pos = m.get_vision_position_ids
+    bind_pos = _binder(orig_pos)
+    windows = hasattr(m, "get_vision_window_index")  # Qwen2.5-VL; Qwen2-VL's tower has no windows
     targets = []
 
     def get_vision_position_ids(*args, **kwargs):
@@ -164,7 +200,9 @@ def _vision_hooks(m, v):
             if flash and kw.get("max_window_seqlen") is None:
                 kw["max_window_seqlen"] = w.max_window_seqlen
 
-    if hasattr(m, "get_vision_attention_seqlens"):
+    if not windows:
+        pass  # Qwen2-VL: cu_seqlens is per frame, transformers' own
+    elif hasattr(m, "get_vision_attention_seqlens"):
         orig_seq = m.get_vision_attention_seqlens
         bind_seq = _binder(orig_seq)
 
@@ -184,7 +222,12 @@ def _vision_hooks(m, v):
             return w.cu_seqlens, max_seqlen
         targets.append((m, "get_vision_attention_seqlens", get_vision_attention_seqlens))
     elif not hasattr(m, "get_vision_cu_seqlens"):  # 5.10-5.14: that hook (no config) stays transformers'
-        raise _unknown("positions (vision hooks)", v)
+        raise _unknown(spec, "positions (vision hooks)", v)
+
+    if not windows:
+        return targets + [(m, "get_vision_position_ids", get_vision_position_ids)]
+    orig_win = m.get_vision_window_index
+    bind_win = _binder(orig_win)
 
     def get_vision_window_index(*args, **kwargs):
         a = bind_win(*args, **kwargs)
@@ -200,7 +243,7 @@ def _vision_hooks(m, v):
 
 # ---- rotary embeddings ----------------------------------------------------------------------------
 
-def rope_targets(m, v):
+def rope_targets(spec, m, v):
     targets = []
     if hasattr(m, "apply_rotary_pos_emb"):  # 5.17+: tables already in mRoPE layout
         def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -216,7 +259,7 @@ def rope_targets(m, v):
             return _rope.mrope(q, k, cos, sin, mrope_section=list(mrope_section), numerics="hf_eager")
         targets.append((m, "apply_multimodal_rotary_pos_emb", apply_multimodal_rotary_pos_emb))
     if not targets or not hasattr(m, "apply_rotary_pos_emb_vision"):
-        raise _unknown("rope functions", v)
+        raise _unknown(spec, "rope functions", v)
 
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
         # q, k [N, H, D]; cos, sin [N, D]: plain RoPE with fp32 tables, fp32 math, one rounding
@@ -228,12 +271,15 @@ def rope_targets(m, v):
 
 # ---- RMSNorm and the MLPs ----------------------------------------------------------------------
 
-def rms_norm_class(m):
-    return getattr(m, "Qwen2_5_VLRMSNorm", None) or getattr(m, "Qwen2RMSNorm")
+def rms_norm_class(spec, m, v=(0,)):
+    for name in spec.norms:
+        if hasattr(m, name):
+            return getattr(m, name)
+    raise _unknown(spec, "rms_norm classes", v)
 
 
-def rms_norm_targets(m, v):
-    cls = rms_norm_class(m)
+def rms_norm_targets(spec, m, v):
+    cls = rms_norm_class(spec, m, v)
     orig = cls.forward
 
     def forward(self, hidden_states):
@@ -247,9 +293,9 @@ def _is_silu(act):
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-def swiglu_targets(m, v):
+def swiglu_targets(spec, m, v):
     targets = []
-    for cls in (m.Qwen2MLP, m.Qwen2_5_VLMLP):
+    for cls in (getattr(m, n) for n in spec.mlps):
         orig = cls.forward
 
         def forward(self, x, _orig=orig):
@@ -266,10 +312,11 @@ def swiglu_targets(m, v):
     return targets
 
 
-def linear_cross_entropy_targets(m, v):
-    cls = m.Qwen2_5_VLForConditionalGeneration
+def linear_cross_entropy_targets(spec, m, v):
+    cls = getattr(m, spec.for_cg)
     return [(cls, "forward", wrap_forward(cls.forward))]
 
 
-__all__ = ["SUPPORTED", "linear_cross_entropy_targets", "modeling", "rms_norm_targets", "rope_targets",
-           "swiglu_targets", "text_positions_targets", "version_tuple", "vision_positions_targets"]
+__all__ = ["QWEN2_5_VL", "QWEN2_VL", "SUPPORTED", "Spec", "linear_cross_entropy_targets", "modeling",
+           "rms_norm_class", "rms_norm_targets", "rope_index_owner", "rope_targets", "swiglu_targets",
+           "text_positions_targets", "version_tuple", "vision_positions_targets"]

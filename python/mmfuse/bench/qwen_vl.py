@@ -1,5 +1,5 @@
-"""A random-weight Qwen2.5-VL of the installed transformers (any layout 4.49-5.x) and a multimodal batch
-for it: the model of ``mmfuse-bench model`` and of the integration tests.
+"""A random-weight Qwen2.5-VL (or Qwen2-VL) of the installed transformers (any layout 4.49-5.x) and a
+multimodal batch for it: the model of ``mmfuse-bench model`` and of the integration tests.
 
 Image and video spans are a vision start token, ``t * (h/2) * (w/2)`` image (video) tokens and a vision
 end token; every sample is one row of such segments, padded to the batch's length on either side."""
@@ -30,28 +30,34 @@ PRESETS: Dict[str, dict] = {
                  vision=dict(hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
                              spatial_merge_size=2, window_size=56, tokens_per_second=2, temporal_patch_size=2,
                              in_channels=3),
+                 # Qwen2-VL's vision config names
+                 vision_qwen2=dict(embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
+                                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
                  ids=TOY_IDS),
 }
 
 
-def modeling_version():
-    from ..integrations import qwen2_5_vl
-    return qwen2_5_vl.modeling()
+def _spec(family: str):
+    from ..integrations import qwen_vl
+    return {"qwen2_5_vl": qwen_vl.QWEN2_5_VL, "qwen2_vl": qwen_vl.QWEN2_VL}[family]
 
 
-def takes_token_types() -> bool:
+def takes_token_types(family: str = "qwen2_5_vl") -> bool:
     """Whether the installed get_rope_index takes ``mm_token_type_ids`` (transformers 5.3+)."""
-    m, _ = modeling_version()
-    owner = m.Qwen2_5_VLModel if "get_rope_index" in vars(m.Qwen2_5_VLModel) else m.Qwen2_5_VLForConditionalGeneration
-    return "mm_token_type_ids" in inspect.signature(owner.get_rope_index).parameters
+    from ..integrations import qwen_vl
+    spec = _spec(family)
+    m, _ = qwen_vl.modeling(spec)
+    return "mm_token_type_ids" in inspect.signature(qwen_vl.rope_index_owner(spec, m).get_rope_index).parameters
 
 
-def make_model(preset: str = "tiny", *, layers: int = 2, vision_depth: int = 3, fullatt: Sequence[int] = (1,),
-               device="cpu", dtype=torch.float32, attn: str = "eager", seed: int = 0):
-    """``Qwen2_5_VLForConditionalGeneration`` of the preset's shapes with random weights (eval mode)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def make_model(preset: str = "tiny", *, family: str = "qwen2_5_vl", layers: int = 2, vision_depth: int = 3,
+               fullatt: Sequence[int] = (1,), device="cpu", dtype=torch.float32, attn: str = "eager", seed: int = 0):
+    """``Qwen2_5_VLForConditionalGeneration`` (``family="qwen2_vl"``: ``Qwen2VLForConditionalGeneration``)
+    of the preset's shapes with random weights (eval mode)."""
+    import transformers
+    from ..integrations import qwen_vl
 
-    _, version = modeling_version()
+    _, version = qwen_vl.modeling(_spec(family))
     p = PRESETS[preset]
     text = dict(p["text"])
     theta, section = text.pop("rope_theta"), text.pop("mrope_section")
@@ -60,15 +66,20 @@ def make_model(preset: str = "tiny", *, layers: int = 2, vision_depth: int = 3, 
         text["rope_parameters"] = dict(rope, rope_theta=theta)
     else:
         text.update(rope_scaling=dict(rope, type="mrope"), rope_theta=theta)
-    cfg = Qwen2_5_VLConfig(num_hidden_layers=layers, bos_token_id=1, eos_token_id=2, **text, **p["ids"],
-                           vision_config=dict(p["vision"], depth=vision_depth, fullatt_block_indexes=list(fullatt)))
+    if family == "qwen2_vl":
+        config_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+        vision = dict(p["vision_qwen2"], depth=vision_depth)
+    else:
+        config_cls, model_cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+        vision = dict(p["vision"], depth=vision_depth, fullatt_block_indexes=list(fullatt))
+    cfg = config_cls(num_hidden_layers=layers, bos_token_id=1, eos_token_id=2, **text, **p["ids"], vision_config=vision)
     cfg._attn_implementation = attn
     if hasattr(cfg, "vision_config"):
         cfg.vision_config._attn_implementation = attn
     if hasattr(cfg, "text_config"):
         cfg.text_config._attn_implementation = attn
     torch.manual_seed(seed)
-    return Qwen2_5_VLForConditionalGeneration(cfg).to(device=device, dtype=dtype).eval()
+    return model_cls(cfg).to(device=device, dtype=dtype).eval()
 
 
 Segment = Tuple[str, object]  # ("text", n) | ("image", (t, h, w)) | ("video", (t, h, w)), h and w in patches
@@ -76,7 +87,7 @@ Segment = Tuple[str, object]  # ("text", n) | ("image", (t, h, w)) | ("video", (
 
 def make_batch(rows: List[List[Segment]], *, ids: dict, vocab: int, length: int = 0, left_padded: Sequence[int] = (),
                device="cpu", dtype=torch.float32, seconds_per_grid: float = 1.0, seed: int = 1, merge: int = 2,
-               patch: int = 3 * 2 * 14 * 14) -> dict:
+               patch: int = 3 * 2 * 14 * 14, family: str = "qwen2_5_vl") -> dict:
     """Model inputs for ``rows`` of segments: text tokens drawn from ``[3, vocab)`` minus the special ids,
     each image / video span with its grid; rows padded to ``length`` (at least the longest), on the
     left for the rows in ``left_padded``. Includes ``mm_token_type_ids`` where the installed
@@ -121,9 +132,9 @@ def make_batch(rows: List[List[Segment]], *, ids: dict, vocab: int, length: int 
             pix = "pixel_values" if key == "image" else "pixel_values_videos"
             batch[pix] = torch.randn(n, patch, generator=g).to(device, dtype)
             batch[f"{key}_grid_thw"] = torch.tensor(grids).to(device)
-    if videos:
+    if videos and family == "qwen2_5_vl":
         batch["second_per_grid_ts"] = torch.full((len(videos),), seconds_per_grid).to(device)
-    if takes_token_types():
+    if takes_token_types(family):
         batch["mm_token_type_ids"] = tt.to(device)
     batch["labels"] = labels.to(device)
     return batch
