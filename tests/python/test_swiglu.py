@@ -71,7 +71,8 @@ def test_cuda_matches_cpu_and_graph_capture():
     want = mmfuse.swiglu(gu)
     gd = gu.cuda()
     got = mmfuse.swiglu(gd)
-    assert ((got.cpu().float() - want.float()).abs() <= 2 ** -8 * want.float().abs() + 1e-6).all()
+    # one bf16 ulp (2^-7 relative): two single roundings of nearly equal fp32 values may differ by one
+    assert ((got.cpu().float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 1e-6).all()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

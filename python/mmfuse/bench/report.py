@@ -7,7 +7,7 @@ import json
 import os
 from typing import Callable, Dict, List, Optional, Tuple
 
-_FAMILIES = ("train", "rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu", "linear_cross_entropy")
+_FAMILIES = ("train", "model", "rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu", "linear_cross_entropy")
 
 
 def _f(v, fmt: str = "{:.1f}") -> str:
@@ -106,6 +106,26 @@ def _train(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
     return header, rows, (title, "ms / step", bars)
 
 
+def _model(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
+    c = res.get("config", {})
+    header = ["variant", "ms/step", "tokens/s", "vs transformers eager", "vs transformers compiled", "peak extra GiB",
+              "memory vs eager", "grad error", f"loss after {c.get('steps', '?')} steps (rel)", "verified"]
+    rows, bars = [], []
+    for r in res.get("rows", []):
+        if "loss_last" not in r:
+            rows.append([r["variant"], "", "", "", "", "", "", "", "", r.get("verified", "")])
+            continue
+        rows.append([r["variant"], _f(r.get("ms"), "{:.2f}"), _f(r.get("tokens_per_s"), "{:.0f}"),
+                     _f(r.get("vs_eager"), "{:.2f}x"), _f(r.get("vs_compiled"), "{:.2f}x"), _f(r.get("peak_gib"), "{:.2f}"),
+                     _f(r.get("mem_vs_eager"), "{:.2f}x"), _f(r.get("grad_err"), "{:.1e}"),
+                     f"{r['loss_last']:.5f} ({r['loss_rel']:.1e})", r.get("verified", "")])
+        if r.get("ms") is not None:
+            bars.append((r["variant"], r["ms"]))
+    title = (f"model: Qwen2.5-VL training step, {c.get('preset')} shapes, {c.get('layers')} text layers, vision depth "
+             f"{c.get('vision_depth')}, batch {c.get('batch')} x {c.get('seq')}")
+    return header, rows, (title, "ms / step", bars)
+
+
 def _lce(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
     header = ["variant", "ms (fwd + bwd)", "peak extra GiB", "loss", "verified"]
     rows = [[r["name"], _f(r.get("us") and r["us"] / 1e3, "{:.2f}"), _f(r.get("peak_gib"), "{:.2f}"),
@@ -123,6 +143,7 @@ _VIEWS: Dict[str, Callable[[dict], Tuple[List[str], List[List[str]], Plot]]] = {
     "gemm": _gemm,
     "fp8": _fp8,
     "train": _train,
+    "model": _model,
     "linear_cross_entropy": _lce,
 }
 
@@ -209,6 +230,14 @@ def _summary_line(fam: str, res: dict) -> Optional[str]:
             if r and r.get("ms"):
                 vc = f", {r['vs_compiled']:.2f}x PyTorch compiled" if r.get("vs_compiled") else ""
                 parts.append(f"{v} {r['vs_eager']:.2f}x PyTorch eager{vc}, {r['mem_vs_eager']:.2f}x its peak memory")
+        return "; ".join(parts) or None
+    if fam == "model":
+        parts = []
+        for r in rows:
+            if r["variant"].startswith("mmfuse") and r.get("ms"):
+                vc = f", {r['vs_compiled']:.2f}x transformers compiled" if r.get("vs_compiled") else ""
+                parts.append(f"{r['variant']} {r['vs_eager']:.2f}x transformers eager{vc}, "
+                             f"{r['mem_vs_eager']:.2f}x its peak memory")
         return "; ".join(parts) or None
     return None
 
