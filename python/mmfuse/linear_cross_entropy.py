@@ -209,8 +209,10 @@ def _backward(ctx, grad_loss, _gdh, _gdw, _gdb):
         return dh, dw.to(weight.dtype), None, (db.to(bias.dtype) if ctx.has_bias else None), *([None] * 7)
     dh, dw, db, weight, bias = ctx.saved_tensors
     s = grad_loss.float()
-    return ((dh.float() * s).to(dh.dtype), (dw * s).to(weight.dtype), None,
-            (db * s).to(bias.dtype) if ctx.has_bias else None, *([None] * 7))
+    # the weight gradient rounded to the weight's dtype, then scaled in it (exact for the usual incoming
+    # 1): no fp32 copy of the [V, H] gradient next to the saved one
+    return (dh * s, dw.to(weight.dtype) * s, None, (db * s).to(bias.dtype) if ctx.has_bias else None,
+            *([None] * 7))
 
 
 torch.library.register_autograd("mmfuse::linear_cross_entropy", _backward, setup_context=_setup_context)

@@ -38,6 +38,9 @@ def run(device: str, quick: bool = False) -> dict:
     compiled = torch.compile(_torch)
     variants = [("F.linear + cross_entropy, eager", _torch), ("same, torch.compile", compiled),
                 ("chunked PyTorch (checkpointed)", _torch_chunked),
+                # the chunk size's trade (time against memory), then the default (1024)
+                ("mmfuse, 512-token chunks", lambda a, b, c: mmfuse.linear_cross_entropy(a, b, c, chunk_tokens=512)),
+                ("mmfuse, 2048-token chunks", lambda a, b, c: mmfuse.linear_cross_entropy(a, b, c, chunk_tokens=2048)),
                 ("mmfuse.linear_cross_entropy", lambda a, b, c: mmfuse.linear_cross_entropy(a, b, c))]
     rows = []
     want = None
