@@ -62,3 +62,20 @@ def test_report_renders_tables_and_plots(tmp_path):
     assert "| NVIDIA H100 80GB HBM3 | moe | 90 % of copy bandwidth; 3.00x its baseline |" in text
     assert "| NVIDIA H100 80GB HBM3 | gemm | 99 % of ideal; 1.01x two cuBLAS calls |" in text
     assert "![docs/plots/h100-positions.png](docs/plots/h100-positions.png)" in text  # train first, else the first family
+
+
+def test_step_table_ratios_and_columns(capsys):
+    """add_step_ratios against the named baselines; the table's differing column and the bound rows."""
+    from mmfuse.bench.common import add_step_ratios, print_step_table
+
+    rows = [dict(variant="PyTorch eager", ms=80.0, tokens_per_s=2e5, peak_gib=8.0, x_bound=1.6, grad_err=0.0,
+                 loss_last=1.0, loss_rel=0.0),
+            dict(variant="mmfuse eager", ms=40.0, tokens_per_s=4e5, peak_gib=4.0, x_bound=0.8, grad_err=1e-3,
+                 loss_last=1.001, loss_rel=1e-3)]
+    add_step_ratios(rows, "PyTorch eager", "PyTorch compiled")
+    assert rows[1]["vs_eager"] == 2.0 and rows[1]["vs_compiled"] is None and rows[1]["mem_vs_eager"] == 0.5
+    print_step_table(rows, 50, ("x bound", "x_bound", "{:.2f}"), [("bound (GEMMs + attn)", 50.0, 3.2e5, 1.0)])
+    out = capsys.readouterr().out.splitlines()
+    assert "x bound" in out[0] and "loss after 50 (rel)" in out[0]
+    assert out[2].startswith("| bound (GEMMs + attn) |") and "1.00" in out[2]
+    assert "2.00x" in out[4] and "0.80" in out[4] and "1.00100 (1.0e-03)" in out[4]

@@ -110,3 +110,34 @@ def run_bandwidth_family(family: str, title: str, shapes, rows_of, device: str, 
                 print(f"{family} {r.name}: {100 * r.nbytes / (r.us * 1e-6) / 1e9 / copy:.1f}% of copy")
     return dict(copy_gbs=copy, rows=[r.__dict__ for r in rows],
                 all_verified=all(not r.verified.startswith("FAIL") for r in rows))
+
+
+def add_step_ratios(rows: List[dict], eager: str, compiled: str) -> None:
+    """Sets vs_eager, vs_compiled (None without that variant) and mem_vs_eager on each timed training-step
+    row, against the rows named ``eager`` and ``compiled``."""
+    base = {r["variant"]: r for r in rows}
+    for r in rows:
+        r["vs_eager"] = base[eager]["ms"] / r["ms"]
+        r["vs_compiled"] = base[compiled]["ms"] / r["ms"] if compiled in base else None
+        r["mem_vs_eager"] = r["peak_gib"] / base[eager]["peak_gib"]
+
+
+def print_step_table(rows: List[dict], steps: int, column: tuple, first: tuple = ()) -> None:
+    """The training-step table of ``mmfuse-bench train`` / ``model``. ``column``: (title, key, format) of
+    the one column the two differ in; ``first``: rows (label, ms, tokens/s, that column's value) above
+    the variants (the bound rows)."""
+    w = max([18] + [len(r["variant"]) for r in rows] + [len(f[0]) for f in first])
+    title, key, fmt = column
+    cw = max(8, len(title))
+    hdr = (f"| {'variant':<{w}} | {'ms/step':>8} | {'tokens/s':>9} | {'vs eager':>8} | {'vs compiled':>11} | "
+           f"{'peak GiB':>8} | {title:>{cw}} | {'grad err':>8} | loss after {steps} (rel) |")
+    print(hdr)
+    print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
+    for label, ms, tps, value in first:
+        print(f"| {label:<{w}} | {ms:8.2f} | {tps:9.0f} | {'':>8} | {'':>11} | {'':>8} | {fmt.format(value):>{cw}} | "
+              f"{'':>8} | |")
+    for r in rows:
+        vc = f"{r['vs_compiled']:10.2f}x" if r["vs_compiled"] else f"{'-':>11}"
+        print(f"| {r['variant']:<{w}} | {r['ms']:8.2f} | {r['tokens_per_s']:9.0f} | {r['vs_eager']:7.2f}x | {vc} | "
+              f"{r['peak_gib']:8.2f} | {fmt.format(r[key]):>{cw}} | {r['grad_err']:8.1e} | "
+              f"{r['loss_last']:.5f} ({r['loss_rel']:.1e}) |")

@@ -17,7 +17,7 @@ from typing import List, Optional
 import torch
 
 from ..integrations.transformers import patch_qwen2_5_vl
-from .common import time_us
+from .common import add_step_ratios, print_step_table, time_us
 from .qwen_vl import PRESETS, make_batch, make_model
 
 
@@ -152,21 +152,8 @@ def run(device: str, *, layers: int = 4, vision_depth: int = 4, batch: int = 2, 
                 patch.revert()
     torch._dynamo.reset()
     if on_gpu:
-        base = {r["variant"]: r for r in rows}
-        eager, comp = base["transformers eager"], base.get("transformers compiled")
-        for r in rows:
-            r["vs_eager"] = eager["ms"] / r["ms"]
-            r["vs_compiled"] = comp["ms"] / r["ms"] if comp else None
-            r["mem_vs_eager"] = r["peak_gib"] / eager["peak_gib"]
-        hdr = (f"| {'variant':<26} | {'ms/step':>8} | {'tokens/s':>9} | {'vs eager':>8} | {'vs compiled':>11} | "
-               f"{'peak GiB':>8} | {'mem vs eager':>12} | {'grad err':>8} | loss after {steps} (rel) |")
-        print(hdr)
-        print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
-        for r in rows:
-            vc = f"{r['vs_compiled']:10.2f}x" if r["vs_compiled"] else f"{'-':>11}"
-            print(f"| {r['variant']:<26} | {r['ms']:8.2f} | {r['tokens_per_s']:9.0f} | {r['vs_eager']:7.2f}x | {vc} | "
-                  f"{r['peak_gib']:8.2f} | {r['mem_vs_eager']:11.2f}x | {r['grad_err']:8.1e} | "
-                  f"{r['loss_last']:.5f} ({r['loss_rel']:.1e}) |")
+        add_step_ratios(rows, "transformers eager", "transformers compiled")
+        print_step_table(rows, steps, ("mem vs eager", "mem_vs_eager", "{:.2f}x"))
     else:
         for r in rows:
             print(f"  {r['variant']:<26} gradient error (worst parameter) {r['grad_err']:.1e}; loss after {steps} "

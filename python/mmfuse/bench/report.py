@@ -81,6 +81,21 @@ def _fp8(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
                           "share of bf16 time", bars)
 
 
+def _variant_rows(res: dict, key: str, fmt: str, rows: list, bars: list) -> None:
+    """The training-step table's variant rows (the column ``key`` in ``fmt`` is the one train and model
+    differ in) and their bars, appended."""
+    for r in res.get("rows", []):
+        if "loss_last" not in r:  # a variant that failed
+            rows.append([r["variant"], "", "", "", "", "", "", "", "", r.get("verified", "")])
+            continue
+        rows.append([r["variant"], _f(r.get("ms"), "{:.2f}"), _f(r.get("tokens_per_s"), "{:.0f}"),
+                     _f(r.get("vs_eager"), "{:.2f}x"), _f(r.get("vs_compiled"), "{:.2f}x"), _f(r.get("peak_gib"), "{:.2f}"),
+                     _f(r.get(key), fmt), _f(r.get("grad_err"), "{:.1e}"),
+                     f"{r['loss_last']:.5f} ({r['loss_rel']:.1e})", r.get("verified", "")])
+        if r.get("ms") is not None:
+            bars.append((r["variant"], r["ms"]))
+
+
 def _train(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
     c = res.get("config", {})
     header = ["variant", "ms/step", "tokens/s", "vs PyTorch eager", "vs PyTorch compiled", "peak extra GiB",
@@ -91,16 +106,7 @@ def _train(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
         if res.get(key):
             rows.append([label, _f(res[key], "{:.2f}"), "", "", "", "", "1.00", "", "", ""])
             bars.append((label.split(":")[0], res[key]))
-    for r in res.get("rows", []):
-        if "loss_last" not in r:  # a variant that failed
-            rows.append([r["variant"], "", "", "", "", "", "", "", "", r.get("verified", "")])
-            continue
-        rows.append([r["variant"], _f(r.get("ms"), "{:.2f}"), _f(r.get("tokens_per_s"), "{:.0f}"),
-                     _f(r.get("vs_eager"), "{:.2f}x"), _f(r.get("vs_compiled"), "{:.2f}x"), _f(r.get("peak_gib"), "{:.2f}"),
-                     _f(r.get("x_bound"), "{:.2f}"), _f(r.get("grad_err"), "{:.1e}"),
-                     f"{r['loss_last']:.5f} ({r['loss_rel']:.1e})", r.get("verified", "")])
-        if r.get("ms") is not None:
-            bars.append((r["variant"], r["ms"]))
+    _variant_rows(res, "x_bound", "{:.2f}", rows, bars)
     title = (f"train: ms a step, preset {c.get('preset')} ({c.get('layers')} layers), batch {c.get('batch')} x "
              f"{c.get('seq')}, {c.get('action')} action tokens a sample")
     return header, rows, (title, "ms / step", bars)
@@ -111,16 +117,7 @@ def _model(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
     header = ["variant", "ms/step", "tokens/s", "vs transformers eager", "vs transformers compiled", "peak extra GiB",
               "memory vs eager", "grad error", f"loss after {c.get('steps', '?')} steps (rel)", "verified"]
     rows, bars = [], []
-    for r in res.get("rows", []):
-        if "loss_last" not in r:
-            rows.append([r["variant"], "", "", "", "", "", "", "", "", r.get("verified", "")])
-            continue
-        rows.append([r["variant"], _f(r.get("ms"), "{:.2f}"), _f(r.get("tokens_per_s"), "{:.0f}"),
-                     _f(r.get("vs_eager"), "{:.2f}x"), _f(r.get("vs_compiled"), "{:.2f}x"), _f(r.get("peak_gib"), "{:.2f}"),
-                     _f(r.get("mem_vs_eager"), "{:.2f}x"), _f(r.get("grad_err"), "{:.1e}"),
-                     f"{r['loss_last']:.5f} ({r['loss_rel']:.1e})", r.get("verified", "")])
-        if r.get("ms") is not None:
-            bars.append((r["variant"], r["ms"]))
+    _variant_rows(res, "mem_vs_eager", "{:.2f}x", rows, bars)
     title = (f"model: Qwen2.5-VL training step, {c.get('preset')} shapes, {c.get('layers')} text layers, vision depth "
              f"{c.get('vision_depth')}, batch {c.get('batch')} x {c.get('seq')}")
     return header, rows, (title, "ms / step", bars)

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..nn.vla import VLADecoder
-from .common import time_us
+from .common import add_step_ratios, print_step_table, time_us
 from .vla_reference import Batch, VLAConfig, VLAReference, init_weights, make_batch, preset, type_indices
 
 
@@ -224,24 +224,10 @@ def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, b
             row.update(ms=ms, tokens_per_s=B * L / (ms * 1e-3), peak_gib=_peak_extra_bytes(v, data.target, device) / 2 ** 30,
                        x_bound=ms / (bound8 if "fp8" in v.name else bound))
             print(f"  {v.name}: timed", flush=True)
-        base = {r["variant"]: r for r in rows}
-        for r in rows:
-            r["vs_eager"] = base["PyTorch eager"]["ms"] / r["ms"]
-            r["vs_compiled"] = base["PyTorch compiled"]["ms"] / r["ms"] if "PyTorch compiled" in base else None
-            r["mem_vs_eager"] = r["peak_gib"] / base["PyTorch eager"]["peak_gib"]
-        hdr = (f"| {'variant':<18} | {'ms/step':>8} | {'tokens/s':>9} | {'vs eager':>8} | {'vs compiled':>11} | "
-               f"{'peak GiB':>8} | {'x bound':>7} | {'grad err':>8} | loss after {steps} (rel) |")
-        print(hdr)
-        print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
-        for label, b in (("bound (GEMMs + attn)", bound), ("bound, fp8 GEMMs", bound8)):
-            if b is not None:
-                print(f"| {label:<18} | {b:8.2f} | {B * L / (b * 1e-3):9.0f} | {'':>8} | {'':>11} | {'':>8} | "
-                      f"{1.0:7.2f} | {'':>8} | |")
-        for r in rows:
-            vc = f"{r['vs_compiled']:10.2f}x" if r["vs_compiled"] else f"{'-':>11}"
-            print(f"| {r['variant']:<18} | {r['ms']:8.2f} | {r['tokens_per_s']:9.0f} | {r['vs_eager']:7.2f}x | "
-                  f"{vc} | {r['peak_gib']:8.2f} | {r['x_bound']:7.2f} | {r['grad_err']:8.1e} | "
-                  f"{r['loss_last']:.5f} ({r['loss_rel']:.1e}) |")
+        add_step_ratios(rows, "PyTorch eager", "PyTorch compiled")
+        first = [(label, b, B * L / (b * 1e-3), 1.0) for label, b in (("bound (GEMMs + attn)", bound),
+                                                                      ("bound, fp8 GEMMs", bound8)) if b is not None]
+        print_step_table(rows, steps, ("x bound", "x_bound", "{:.2f}"), first)
     else:
         for r in rows:
             print(f"  {r['variant']:<18} gradient error (worst group) {r['grad_err']:.1e}; loss after {steps} steps "
