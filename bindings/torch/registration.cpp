@@ -136,4 +136,8 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   // [C, V] in g_dtype, or [0, V] without want_grad); include/mmfuse/linear_cross_entropy.h
   m.def("linear_cross_entropy_logits_grad(Tensor z, Tensor labels, Tensor row_scale, int ignore_index, "
         "float label_smoothing, float z_loss, float softcap, ScalarType g_dtype, bool want_grad) -> (Tensor, Tensor)");
+  // the same into a caller's g [C, V] (rows of a larger buffer: the weight gradient's GEMM then takes
+  // several chunks at once); returns the loss
+  m.def("linear_cross_entropy_logits_grad_out(Tensor z, Tensor labels, Tensor row_scale, int ignore_index, "
+        "float label_smoothing, float z_loss, float softcap, Tensor(a!) g) -> Tensor");
 }

@@ -22,6 +22,7 @@ from torch import Tensor
 from . import _lib  # noqa: F401  (registers the ops)
 
 _REDUCTIONS = ("mean", "sum", "none")
+DW_CHUNKS = 2
 
 
 def _logits(h: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
@@ -78,29 +79,44 @@ def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss,
     db = torch.zeros(V, dtype=torch.float32, device=hidden.device) if need_grads and bias is not None \
         else hidden.new_empty(0, dtype=torch.float32)
     fused = hidden.dtype != torch.float64  # fp32 logits: the fused kernel; fp64 (gradcheck): PyTorch ops
-    for i in range(0, T, chunk):
-        h = hidden[i:i + chunk]
-        y = labels[i:i + chunk]
-        z = _logits(h, weight, bias)
-        rw = row_weight[i:i + chunk] if row_weight.dim() else row_weight.expand(h.shape[0])
-        if fused:
-            loss, gd = torch.ops.mmfuse.linear_cross_entropy_logits_grad(
-                z, y, rw.float().contiguous(), ignore_index, label_smoothing, z_loss, softcap, hidden.dtype, need_grads)
-        else:
-            valid = y != ignore_index
-            loss, g = _chunk_grad(z, y, valid, label_smoothing, z_loss, softcap)
-            gd = (g * rw[:, None]).to(hidden.dtype)
-        losses[i:i + chunk] = loss
-        if not need_grads:
-            continue
-        if bias is not None:
-            db += gd.float().sum(0)
-        dh[i:i + chunk] = gd @ weight
-        if hidden.dtype in (torch.float32, torch.float64):
-            dw += (gd.t() @ h).to(dw.dtype)
-        else:  # fp32 accumulation into dw: the dual GEMM's accumulate (g^T @ h)
-            empty = gd[:0, :0]
-            torch.ops.mmfuse.dual_gemm_out(gd, h, empty, empty, dw, dw[:0, :0], True, False, True)
+    # the weight gradient's GEMM takes DW_CHUNKS chunks at once: its fp32 accumulator ([V, H]) is read
+    # and written once a group instead of once a chunk, for one more chunk's gradient held
+    group = chunk * (DW_CHUNKS if fused else 1)
+    g_buf = hidden.new_empty(min(group, T), V) if need_grads and fused else None
+    for i0 in range(0, T, group):
+        i1 = min(i0 + group, T)
+        for i in range(i0, i1, chunk):
+            j = min(i + chunk, i1)
+            h, y = hidden[i:j], labels[i:j]
+            z = _logits(h, weight, bias)
+            rw = (row_weight[i:j] if row_weight.dim() else row_weight.expand(j - i)).float().contiguous()
+            if fused and need_grads:
+                gd = g_buf[i - i0:j - i0]
+                loss = torch.ops.mmfuse.linear_cross_entropy_logits_grad_out(z, y, rw, ignore_index, label_smoothing,
+                                                                             z_loss, softcap, gd)
+            elif fused:
+                loss = torch.ops.mmfuse.linear_cross_entropy_logits_grad(z, y, rw, ignore_index, label_smoothing,
+                                                                         z_loss, softcap, hidden.dtype, False)[0]
+            else:
+                loss, g = _chunk_grad(z, y, y != ignore_index, label_smoothing, z_loss, softcap)
+                gd = (g * rw[:, None]).to(hidden.dtype)
+                del g
+            del z  # before the next chunk's logits are made
+            losses[i:j] = loss
+            if not need_grads:
+                continue
+            if bias is not None:
+                db += gd.float().sum(0)
+            torch.matmul(gd, weight, out=dh[i:j])
+            if not fused:
+                dw += (gd.t() @ h).to(dw.dtype)
+        if need_grads and fused:
+            gg, hh = g_buf[:i1 - i0], hidden[i0:i1]
+            if hidden.dtype == torch.float32:
+                dw += gg.t() @ hh
+            else:  # fp32 accumulation into dw: the dual GEMM's accumulate (g^T @ h)
+                empty = gg[:0, :0]
+                torch.ops.mmfuse.dual_gemm_out(gg, hh, empty, empty, dw, dw[:0, :0], True, False, True)
     return losses, dh, dw, db
 
 
@@ -139,7 +155,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: O
         z_loss: adds ``z_loss * logsumexp(logits)^2`` a token (PaLM's auxiliary loss).
         logit_softcap: ``softcap * tanh(logits / softcap)`` before the softmax (Gemma 2), or None.
         chunk_tokens: tokens a chunk; peak extra memory is about ``chunk_tokens * V * 4`` bytes (one
-            chunk's fp32 logits) plus the fp32 weight gradient ``V * H * 4``.
+            chunk's fp32 logits), ``2 * chunk_tokens * V`` elements of hidden's dtype (two chunks' logit
+            gradients, which the weight gradient's GEMM takes together) and the fp32 weight gradient
+            ``V * H * 4``.
 
     Returns:
         The loss (fp32): a scalar, or ``[T]`` with ``reduction="none"``. Differentiable in hidden,
@@ -186,6 +204,11 @@ def _fake(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing
 def _logits_grad_fake(z, labels, row_scale, ignore_index, label_smoothing, z_loss, softcap, g_dtype, want_grad):
     C, V = z.shape
     return z.new_empty(C, dtype=torch.float32), z.new_empty(C if want_grad else 0, V, dtype=g_dtype)
+
+
+@torch.library.register_fake("mmfuse::linear_cross_entropy_logits_grad_out")
+def _logits_grad_out_fake(z, labels, row_scale, ignore_index, label_smoothing, z_loss, softcap, g):
+    return z.new_empty(z.shape[0], dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):

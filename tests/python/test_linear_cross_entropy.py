@@ -77,6 +77,12 @@ def test_opcheck_and_compile():
     for want_grad in (True, False):
         torch.library.opcheck(torch.ops.mmfuse.linear_cross_entropy_logits_grad.default,
                               (z, y[:6], rs, -100, 0.1, 1e-3, 20.0, torch.bfloat16, want_grad))
+    torch.library.opcheck(torch.ops.mmfuse.linear_cross_entropy_logits_grad_out.default,
+                          (z, y[:6], rs, -100, 0.05, 0.0, 0.0, torch.empty(6, 19)))
+    big = torch.full((10, 19), float("nan"))  # into rows of a larger buffer, the others untouched
+    torch.ops.mmfuse.linear_cross_entropy_logits_grad_out(z, y[:6], rs, -100, 0.0, 0.0, 0.0, big[2:8])
+    want = torch.ops.mmfuse.linear_cross_entropy_logits_grad(z, y[:6], rs, -100, 0.0, 0.0, 0.0, torch.float32, True)[1]
+    assert torch.equal(big[2:8], want) and big[:2].isnan().all() and big[8:].isnan().all()
     fn = torch.compile(lambda a, b: mmfuse.linear_cross_entropy(a, b, y, chunk_tokens=3), fullgraph=True)
     assert torch.allclose(fn(h, w), mmfuse.linear_cross_entropy(h, w, y, chunk_tokens=3))
 
