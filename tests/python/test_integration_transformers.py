@@ -155,6 +155,7 @@ def test_linear_cross_entropy_loss(device, dtype, family, monkeypatch):
     with patch(**dict(EXACT, linear_cross_entropy=True)):
         got, got_grads = _train_step(model, batch)
         assert got.logits is None and calls.get("linear_cross_entropy") == 1
+        assert got["loss"] is got.loss and got[0] is got.loss and "logits" not in got.keys()  # as transformers
         model.eval()
         with torch.no_grad():
             ev = model(**batch)
@@ -204,9 +205,9 @@ def test_fp8_converts_and_restores():
 
 def test_trainer_callback_applies_and_reverts():
     """PatchCallback: the patch is on between on_train_begin and on_train_end, with the model it is given."""
-    before = _snapshot()
-    cb = PatchCallback(**BASE)
     model = _model("cpu", torch.float32)
+    before = _snapshot()  # after a model is made (transformers caches facts on the classes then)
+    cb = PatchCallback(**BASE)
     cb.on_train_begin(None, None, None, model=model)
     assert _snapshot() != before and cb.patch.model is model
     cb.on_train_end(None, None, None)
@@ -226,3 +227,41 @@ def test_patch_refuses_twice_and_unsupported_versions(monkeypatch):
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.45.2")  # the module as imported now
     with pytest.raises(ImportError, match="transformers 4.45.2 has no Qwen2.5-VL layout mmfuse patches: supported"):
         patch_qwen2_5_vl().apply()
+
+
+def test_trainer_with_patch_callback(tmp_path, monkeypatch):
+    """A transformers Trainer run with PatchCallback: the loss goes through linear_cross_entropy (counted)
+    in every step, the losses match an unpatched run from the same weights, and the patch is off after."""
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    from mmfuse.integrations import causal_lm_loss as C
+
+    batch = _batch("cpu", torch.float32, labels=True)
+
+    class OneBatch(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return batch
+
+    def run(callbacks):
+        model = _model("cpu", torch.float32).train()
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=1,
+                                 learning_rate=1e-3, report_to=[], save_strategy="no", logging_steps=1, use_cpu=True,
+                                 disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=OneBatch(), data_collator=lambda items: items[0],
+                          callbacks=callbacks)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    want = run([])
+    before = _snapshot()
+    calls = {}
+    _counting(monkeypatch, C, "linear_cross_entropy", calls)
+    got = run([PatchCallback(**BASE)])
+    assert calls.get("linear_cross_entropy") == 3 and _snapshot() == before
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        assert abs(g - w) <= 1e-3 * abs(w), (got, want)

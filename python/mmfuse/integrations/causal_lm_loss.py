@@ -94,10 +94,11 @@ def wrap_forward(orig):
             raise TypeError(f"mmfuse linear_cross_entropy patch: the final hidden states are {hidden.dtype} and "
                             f"lm_head.weight {weight.dtype}: expected one dtype (or autocast)")
         with torch.autocast(dev, enabled=False):
-            out.loss = causal_lm_loss(hidden, weight, labels, shift_labels=extra.get("shift_labels"),
-                                      num_items_in_batch=extra.get("num_items_in_batch"), bias=bias)
-        out.logits = None
-        return out
+            loss = causal_lm_loss(hidden, weight, labels, shift_labels=extra.get("shift_labels"),
+                                  num_items_in_batch=extra.get("num_items_in_batch"), bias=bias)
+        # a new output with the loss first and no logits (setting a field that was None on a transformers
+        # ModelOutput does not make it a key in every release)
+        return type(out)(**{**{k: out[k] for k in out.keys()}, "loss": loss, "logits": None})
 
     return forward
 
