@@ -18,7 +18,9 @@ void linear_cross_entropy_logits_grad(const TensorView& z, const TensorView& lab
                z.defined() ? shape_str(z) : std::string("none"));
   const int64_t C = z.shape[0], V = z.shape[1];
   const Device dev = z.device;
-  check_matrix(op, z, "z", C, V, DType::kFloat32, dev);
+  MMFUSE_CHECK(z.dtype == DType::kFloat32 || z.dtype == DType::kBFloat16 || z.dtype == DType::kFloat16, op,
+               ": z: expected dtype float32, bfloat16 or float16, got ", dtype_name(z.dtype));
+  check_matrix(op, z, "z", C, V, z.dtype, dev);
   check_vector(op, labels, "labels", C, DType::kInt64, dev);
   check_vector(op, row_scale, "row_scale", C, DType::kFloat32, dev);
   check_vector(op, loss, "loss", C, DType::kFloat32, dev);
@@ -26,6 +28,8 @@ void linear_cross_entropy_logits_grad(const TensorView& z, const TensorView& lab
     MMFUSE_CHECK(g.dtype == DType::kBFloat16 || g.dtype == DType::kFloat16 || g.dtype == DType::kFloat32, op,
                  ": g: expected dtype bfloat16, float16 or float32, got ", dtype_name(g.dtype));
     check_matrix(op, g, "g", C, V, g.dtype, dev, "z");
+    MMFUSE_CHECK(z.dtype == DType::kFloat32 || g.dtype == z.dtype, op, ": g: expected dtype ", dtype_name(z.dtype),
+                 " (that of z; any with float32 z), got ", dtype_name(g.dtype));
   }
   MMFUSE_CHECK(label_smoothing >= 0.0f && label_smoothing < 1.0f && z_loss >= 0.0f && softcap >= 0.0f &&
                    std::isfinite(z_loss) && std::isfinite(softcap),

@@ -2,8 +2,9 @@
 // passes over the chunk: the fused step of mmfuse.linear_cross_entropy between its GEMMs (the logits
 // of a chunk of tokens in, the gradient that the two gradient GEMMs read out); CPU and CUDA backends.
 //
-// z [C, V] fp32 (rows any stride, the last dim contiguous), labels [C] int64, row_scale [C] fp32. Per
-// row, with zc = softcap > 0 ? softcap * tanh(z / softcap) : z and y = labels[row]:
+// z [C, V] fp32, or bf16 / fp16 with g of the same dtype (rows any stride, the last dim contiguous),
+// labels [C] int64, row_scale [C] fp32. Per row, with zc = softcap > 0 ? softcap * tanh(z / softcap) : z
+// and y = labels[row]:
 //   lse     = log(sum_j exp(zc_j))
 //   loss    = (1 - eps) (lse - zc_y) + eps (lse - mean_j zc_j) + z_loss lse^2
 //   g_j     = row_scale * (exp(zc_j - lse) (1 + 2 z_loss lse) - eps / V - (1 - eps) [j == y])

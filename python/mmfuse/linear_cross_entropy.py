@@ -25,10 +25,13 @@ _REDUCTIONS = ("mean", "sum", "none")
 DW_CHUNKS = 2
 
 
-def _logits(h: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    """h [C, H] @ w[V, H]^T (+ b) in fp32: fp32 accumulation, fp32 out."""
+def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], fp32: bool) -> Tensor:
+    """h [C, H] @ w[V, H]^T (+ b): with ``fp32`` in fp32 (fp32 accumulation, fp32 out), else in h's dtype
+    (as F.linear)."""
     if h.dtype in (torch.float32, torch.float64):
         z = h @ w.t()
+    elif not fp32:
+        return torch.nn.functional.linear(h, w, b)
     else:
         z = torch.ops.mmfuse.dual_gemm(h, w, h[:0], w, False, True, True)[0]
     return z if b is None else z + b.float()
@@ -67,7 +70,7 @@ def _chunk_grad(z: Tensor, y: Tensor, valid: Tensor, label_smoothing: float, z_l
 
 
 def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk, row_weight,
-            need_grads):
+            need_grads, fp32_logits=True):
     """One pass over the token chunks: the per-token losses [T] (fp32), and where need_grads the
     gradients of sum_t row_weight[t] * loss[t] (d_hidden in hidden's dtype, d_weight and d_bias fp32)."""
     T, H = hidden.shape
@@ -88,7 +91,7 @@ def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss,
         for i in range(i0, i1, chunk):
             j = min(i + chunk, i1)
             h, y = hidden[i:j], labels[i:j]
-            z = _logits(h, weight, bias)
+            z = _logits(h, weight, bias, fp32_logits)
             rw = (row_weight[i:j] if row_weight.dim() else row_weight.expand(j - i)).float().contiguous()
             if fused and need_grads:
                 gd = g_buf[i - i0:j - i0]
@@ -141,7 +144,7 @@ def _check(hidden, weight, labels, bias, reduction, label_smoothing, z_loss, sof
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, logit_softcap: Optional[float] = None,
-                         chunk_tokens: int = 1024) -> Tensor:
+                         chunk_tokens: int = 1024, logits_dtype: Optional[torch.dtype] = torch.float32) -> Tensor:
     r"""``F.cross_entropy(F.linear(hidden, weight, bias).float(), labels)`` without the logits in memory.
 
     Args:
@@ -154,6 +157,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: O
         label_smoothing: as ``F.cross_entropy``'s.
         z_loss: adds ``z_loss * logsumexp(logits)^2`` a token (PaLM's auxiliary loss).
         logit_softcap: ``softcap * tanh(logits / softcap)`` before the softmax (Gemma 2), or None.
+        logits_dtype: ``torch.float32`` (default): each chunk's logits made in fp32 (fp32 accumulation and
+            output: a finer loss than the unfused step's); hidden's dtype (or None): made in it, as
+            ``F.linear`` does, then read in fp32 (the unfused step's own rounding, half the logits'
+            memory traffic).
         chunk_tokens: tokens a chunk; peak extra memory is about ``chunk_tokens * V * 4`` bytes (one
             chunk's fp32 logits), ``2 * chunk_tokens * V`` elements of hidden's dtype (two chunks' logit
             gradients, which the weight gradient's GEMM takes together) and the fp32 weight gradient
@@ -169,14 +176,18 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: O
     softcap = float(logit_softcap) if logit_softcap is not None else 0.0
     _check(h2, weight, y2, bias, reduction, label_smoothing, z_loss, softcap, chunk_tokens)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if logits_dtype not in (None, torch.float32, hidden.dtype):
+        raise ValueError(f"mmfuse.linear_cross_entropy: logits_dtype: expected torch.float32 or hidden's dtype "
+                         f"{hidden.dtype}, got {logits_dtype}")
+    fp32 = logits_dtype == torch.float32
     loss = torch.ops.mmfuse.linear_cross_entropy(h2, weight, y2.long(), bias, ignore_index, reduction,
                                                  float(label_smoothing), float(z_loss), softcap, int(chunk_tokens),
-                                                 grads)[0]
+                                                 grads, fp32)[0]
     return loss.view(lead) if reduction == "none" else loss
 
 
 def _impl(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk,
-          compute_grads):
+          compute_grads, fp32_logits=True):
     """(loss, d_hidden, d_weight, d_bias): for mean / sum with compute_grads, the gradients of the loss;
     else empty (with "none" the backward recomputes)."""
     need = reduction != "none" and compute_grads
@@ -184,14 +195,15 @@ def _impl(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing
     scale = 1.0 / n_valid if reduction == "mean" else torch.ones((), device=hidden.device)
     with torch.no_grad():
         losses, dh, dw, db = _passes(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
-                                     labels, ignore_index, label_smoothing, z_loss, softcap, chunk, scale, need)
+                                     labels, ignore_index, label_smoothing, z_loss, softcap, chunk, scale, need,
+                                     fp32_logits)
     loss = losses if reduction == "none" else (losses.sum() * scale)
     return loss, dh, dw, db
 
 
 @torch.library.register_fake("mmfuse::linear_cross_entropy")
 def _fake(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk,
-          compute_grads):
+          compute_grads, fp32_logits=True):
     T, H = hidden.shape
     V = weight.shape[0]
     loss = hidden.new_empty(T if reduction == "none" else (), dtype=torch.float32)
@@ -212,9 +224,9 @@ def _logits_grad_out_fake(z, labels, row_scale, ignore_index, label_smoothing, z
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk, _ = inputs
+    hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk, _, fp32 = inputs
     _, dh, dw, db = output
-    ctx.params = (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk)
+    ctx.params = (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk, fp32)
     ctx.has_bias = bias is not None
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, labels, bias)
@@ -223,19 +235,19 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss, _gdh, _gdw, _gdb):
-    ignore_index, reduction, label_smoothing, z_loss, softcap, chunk = ctx.params
+    ignore_index, reduction, label_smoothing, z_loss, softcap, chunk, fp32 = ctx.params
     if reduction == "none":
         hidden, weight, labels, bias = ctx.saved_tensors
         with torch.no_grad():
             _, dh, dw, db = _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk,
-                                    grad_loss.float(), True)
-        return dh, dw.to(weight.dtype), None, (db.to(bias.dtype) if ctx.has_bias else None), *([None] * 7)
+                                    grad_loss.float(), True, fp32)
+        return dh, dw.to(weight.dtype), None, (db.to(bias.dtype) if ctx.has_bias else None), *([None] * 8)
     dh, dw, db, weight, bias = ctx.saved_tensors
     s = grad_loss.float()
     # the weight gradient rounded to the weight's dtype, then scaled in it (exact for the usual incoming
     # 1): no fp32 copy of the [V, H] gradient next to the saved one
     return (dh * s, dw.to(weight.dtype) * s, None, (db * s).to(bias.dtype) if ctx.has_bias else None,
-            *([None] * 7))
+            *([None] * 8))
 
 
 torch.library.register_autograd("mmfuse::linear_cross_entropy", _backward, setup_context=_setup_context)

@@ -1,6 +1,7 @@
 // CUDA backend of linear_cross_entropy's logits gradient: a block a row; pass 1 reads the row for its
 // running max and sum of exponentials (and the sum of the logits for label smoothing), pass 2 reads it
-// again and writes the gradient, rounded once. fp32 math; 16-byte loads where the rows allow.
+// again and writes the gradient, rounded once. fp32 math (logits read as fp32, bf16 or fp16); 4-element
+// loads where the rows allow.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -49,19 +50,19 @@ __device__ Stats block_stats(Stats v, Stats* red) {
   return v;
 }
 
-template <class D, int VEC>
+template <class D, class ZT, int VEC>
 __global__ void __launch_bounds__(kThreads)
-    lce_logits_grad_kernel(const float* __restrict__ z, int64_t zs, const int64_t* __restrict__ labels,
+    lce_logits_grad_kernel(const ZT* __restrict__ z, int64_t zs, const int64_t* __restrict__ labels,
                            const float* __restrict__ row_scale, float* __restrict__ loss, D* __restrict__ g, int64_t gs,
                            int64_t V, LceParams p) {
   __shared__ Stats red[kThreads / 32];
   const int64_t r = blockIdx.x;
-  const float* zr = z + r * zs;
+  const ZT* zr = z + r * zs;
   const int64_t y = labels[r];
   const float cap = p.softcap, eps = p.label_smoothing;
   auto soft = [&](float v) { return cap > 0.0f ? __fmul_rn(cap, tanhf(__fdiv_rn(v, cap))) : v; };
   const int64_t nv = V / VEC;
-  using ZW = Vec<float, VEC>;
+  using ZW = Vec<ZT, VEC>;
   using GW = Vec<D, VEC>;
   if (y == p.ignore_index) {
     if (threadIdx.x == 0) loss[r] = 0.0f;
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(kThreads)
     const ZW w = reinterpret_cast<const ZW*>(zr)[c];
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-      const float v = soft(w.v[e]);
+      const float v = soft(cuda::dload(w.v[e]));
       if (v > st.m) {
         st.s = (st.m == -INFINITY ? 0.0f : st.s * expf(st.m - v)) + 1.0f;
         st.m = v;
@@ -97,7 +98,7 @@ __global__ void __launch_bounds__(kThreads)
   st = block_stats(st, red);
   const float lse = st.m + logf(st.s);
   if (threadIdx.x == 0) {
-    const float zy = soft(zr[y]);
+    const float zy = soft(cuda::dload(zr[y]));
     loss[r] = (1.0f - eps) * (lse - zy) + eps * (lse - st.zsum / float(V)) + p.z_loss * lse * lse;
   }
   if (!g) return;
@@ -107,7 +108,7 @@ __global__ void __launch_bounds__(kThreads)
     GW o;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-      const float v = soft(w.v[e]);
+      const float v = soft(cuda::dload(w.v[e]));
       float d = expf(v - lse) * k1 - k0 - (c * VEC + e == y ? 1.0f - eps : 0.0f);
       if (cap > 0.0f) d *= 1.0f - (v / cap) * (v / cap);
       o.v[e] = cuda::dstore<D>(d * rs);
@@ -123,17 +124,18 @@ void linear_cross_entropy_logits_grad_cuda(const TensorView& z, const TensorView
                                            TensorView& g, cudaStream_t stream) {
   const int64_t C = z.shape[0], V = z.shape[1];
   MMFUSE_CHECK(C <= int64_t(0x7fffffff), "linear_cross_entropy_logits_grad: z: at most 2^31 - 1 rows, got ", C);
-  auto launch = [&](auto tag) {
+  auto launch = [&](auto ztag, auto tag) {
+    using ZT = typename device_type<typename decltype(ztag)::type>::type;
     using D = typename device_type<typename decltype(tag)::type>::type;
     D* gp = g.defined() ? static_cast<D*>(g.data) : nullptr;
     const int64_t gs = g.defined() ? g.stride[0] : 0;
     // 4 logits a load where every row of z and g starts 4-element aligned
-    const bool vec4 = V % 4 == 0 && z.stride[0] % 4 == 0 && cuda::alignment(z.data) >= 16 &&
+    const bool vec4 = V % 4 == 0 && z.stride[0] % 4 == 0 && cuda::alignment(z.data) >= 4 * sizeof(ZT) &&
                       (!gp || (gs % 4 == 0 && cuda::alignment(gp) >= 4 * sizeof(D)));
     auto go = [&](auto vc) {
       constexpr int VEC = decltype(vc)::value;
-      lce_logits_grad_kernel<D, VEC><<<unsigned(C), kThreads, 0, stream>>>(
-          static_cast<const float*>(z.data), z.stride[0], static_cast<const int64_t*>(labels.data),
+      lce_logits_grad_kernel<D, ZT, VEC><<<unsigned(C), kThreads, 0, stream>>>(
+          static_cast<const ZT*>(z.data), z.stride[0], static_cast<const int64_t*>(labels.data),
           static_cast<const float*>(row_scale.data), static_cast<float*>(loss.data), gp, gs, V, p);
     };
     if (vec4)
@@ -142,9 +144,17 @@ void linear_cross_entropy_logits_grad_cuda(const TensorView& z, const TensorView
       go(std::integral_constant<int, 1>{});
     MMFUSE_CUDA_CHECK_LAUNCH("lce_logits_grad_kernel");
   };
-  if (!g.defined()) return launch(TypeTag<float>{});
-  dispatch_floating(g.dtype, "linear_cross_entropy_logits_grad: g", [&](auto tag) {
-    if constexpr (!std::is_same_v<typename decltype(tag)::type, double>) launch(tag);
+  // z fp32 with any g, or z and g of one 16-bit dtype (the entry point checks)
+  dispatch_floating(z.dtype, "linear_cross_entropy_logits_grad: z", [&](auto ztag) {
+    using Z = typename decltype(ztag)::type;
+    if constexpr (std::is_same_v<Z, float>) {
+      if (!g.defined()) return launch(ztag, TypeTag<float>{});
+      dispatch_floating(g.dtype, "linear_cross_entropy_logits_grad: g", [&](auto tag) {
+        if constexpr (!std::is_same_v<typename decltype(tag)::type, double>) launch(ztag, tag);
+      });
+    } else if constexpr (!std::is_same_v<Z, double>) {
+      launch(ztag, ztag);  // g absent or of z's dtype
+    }
   });
 }
 

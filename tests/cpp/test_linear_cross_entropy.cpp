@@ -21,11 +21,12 @@ struct Opts {
   float eps, zl, cap;
 };
 
-template <class S>
+// S: the gradient's dtype; Z: the logits' (float32, or S).
+template <class S, class Z = float>
 void run_case(int64_t C, int64_t V, int64_t pad, Opts o, std::mt19937_64& rng, bool on_gpu) {
   const int64_t ld = V + pad;
   const int64_t ignore = -100;
-  std::vector<float> z = random_vec<float>(size_t(std::max<int64_t>(1, C * ld)), rng, -8.0, 8.0);
+  std::vector<Z> z = random_vec<Z>(size_t(std::max<int64_t>(1, C * ld)), rng, -8.0, 8.0);
   std::vector<int64_t> y(size_t(std::max<int64_t>(1, C)));
   std::vector<float> rs(y.size()), loss(y.size());
   std::uniform_int_distribution<int64_t> cls(0, V - 1);
@@ -38,17 +39,18 @@ void run_case(int64_t C, int64_t V, int64_t pad, Opts o, std::mt19937_64& rng, b
   poison(loss);
   if (!on_gpu) {
     TensorView lv = host_view(loss.data(), DType::kFloat32, {C}), gv = host_view(g.data(), dtype_of<S>(), {C, V}, {ld, 1});
-    linear_cross_entropy_logits_grad(host_view(z.data(), DType::kFloat32, {C, V}, {ld, 1}),
+    linear_cross_entropy_logits_grad(host_view(z.data(), dtype_of<Z>(), {C, V}, {ld, 1}),
                                      host_view(y.data(), DType::kInt64, {C}), host_view(rs.data(), DType::kFloat32, {C}),
                                      ignore, o.eps, o.zl, o.cap, lv, gv, nullptr);
   } else {
 #ifdef MMFUSE_WITH_CUDA
-    DeviceBuffer<float> dz(z), drs(rs), dl(loss);
+    DeviceBuffer<Z> dz(z);
+    DeviceBuffer<float> drs(rs), dl(loss);
     DeviceBuffer<int64_t> dy(y);
     DeviceBuffer<S> dg(g);
     Stream st;
     TensorView lv = device_view(dl.ptr, DType::kFloat32, {C}), gv = device_view(dg.ptr, dtype_of<S>(), {C, V}, {ld, 1});
-    linear_cross_entropy_logits_grad(device_view(dz.ptr, DType::kFloat32, {C, V}, {ld, 1}),
+    linear_cross_entropy_logits_grad(device_view(dz.ptr, dtype_of<Z>(), {C, V}, {ld, 1}),
                                      device_view(dy.ptr, DType::kInt64, {C}), device_view(drs.ptr, DType::kFloat32, {C}),
                                      ignore, o.eps, o.zl, o.cap, lv, gv, st.s);
     ASSERT_EQ(cudaStreamSynchronize(st.s), cudaSuccess);
@@ -63,7 +65,7 @@ void run_case(int64_t C, int64_t V, int64_t pad, Opts o, std::mt19937_64& rng, b
   const std::string where = detail::cat("C", C, " V", V, " pad ", pad, " eps ", o.eps, " z_loss ", o.zl, " cap ", o.cap,
                                         on_gpu ? " CUDA" : " CPU");
   for (int64_t r = 0; r < C; ++r) {
-    const float* zr = z.data() + r * ld;
+    auto zr = [&](int64_t j) { return as_double(z[size_t(r * ld + j)]); };
     const int64_t yr = y[size_t(r)];
     auto soft = [&](double v) { return o.cap > 0 ? o.cap * std::tanh(v / o.cap) : v; };
     if (yr == ignore) {
@@ -72,16 +74,16 @@ void run_case(int64_t C, int64_t V, int64_t pad, Opts o, std::mt19937_64& rng, b
       continue;
     }
     double m = -INFINITY, s = 0, zsum = 0;
-    for (int64_t j = 0; j < V; ++j) m = std::max(m, soft(zr[j]));
+    for (int64_t j = 0; j < V; ++j) m = std::max(m, soft(zr(j)));
     for (int64_t j = 0; j < V; ++j) {
-      s += std::exp(soft(zr[j]) - m);
-      zsum += soft(zr[j]);
+      s += std::exp(soft(zr(j)) - m);
+      zsum += soft(zr(j));
     }
     const double lse = m + std::log(s);
-    const double l_ref = (1 - o.eps) * (lse - soft(zr[yr])) + o.eps * (lse - zsum / double(V)) + o.zl * lse * lse;
+    const double l_ref = (1 - o.eps) * (lse - soft(zr(yr))) + o.eps * (lse - zsum / double(V)) + o.zl * lse * lse;
     ASSERT_NEAR(loss[size_t(r)], l_ref, 2e-5 * (std::abs(l_ref) + std::abs(lse))) << where << " loss row " << r;
     for (int64_t j = 0; j < V; ++j) {
-      const double v = soft(zr[j]), p = std::exp(v - lse);
+      const double v = soft(zr(j)), p = std::exp(v - lse);
       double d = p * (1 + 2 * o.zl * lse) - o.eps / double(V) - (j == yr ? 1 - o.eps : 0.0);
       if (o.cap > 0) d *= 1 - (v / o.cap) * (v / o.cap);
       const double want = d * rs[size_t(r)];
@@ -100,11 +102,11 @@ void run_case(int64_t C, int64_t V, int64_t pad, Opts o, std::mt19937_64& rng, b
 const Opts kOpts[] = {{0, 0, 0}, {0.1f, 0, 0}, {0, 1e-3f, 0}, {0, 0, 30.0f}, {0.05f, 1e-4f, 15.0f}};
 const int64_t kShapes[][3] = {{1, 1, 0}, {7, 13, 3}, {16, 1000, 0}, {9, 4099, 5}, {3, 151936, 0}};
 
-template <class S>
+template <class S, class Z = float>
 void all_cases(bool on_gpu) {
   std::mt19937_64 rng(test_seed());
   for (const auto& s : kShapes)
-    for (const Opts& o : kOpts) run_case<S>(s[0], s[1], s[2], o, rng, on_gpu);
+    for (const Opts& o : kOpts) run_case<S, Z>(s[0], s[1], s[2], o, rng, on_gpu);
 }
 
 }  // namespace
@@ -113,6 +115,8 @@ TEST(LinearCrossEntropyCpu, LogitsGradAgainstFloat64) {
   all_cases<bf16>(false);
   all_cases<f16>(false);
   all_cases<float>(false);
+  all_cases<bf16, bf16>(false);  // logits in the hidden dtype
+  all_cases<f16, f16>(false);
 }
 
 TEST(LinearCrossEntropyCpu, BadInputNamesTheProblem) {
@@ -125,10 +129,18 @@ TEST(LinearCrossEntropyCpu, BadInputNamesTheProblem) {
   expect_error([&] { linear_cross_entropy_logits_grad(zv, yv, rv, -100, 0, 0, 0, lv, gv, nullptr); },
                "linear_cross_entropy: labels[1] = 5: expected a class in [0, 4) or ignore_index -100");
   y[1] = 2;
+  std::vector<double> zd(12);
+  std::vector<bf16> zb(12);
+  std::vector<float> gf(12);
   expect_error([&] {
-    TensorView zb = host_view(g.data(), DType::kBFloat16, {3, 4});
-    linear_cross_entropy_logits_grad(zb, yv, rv, -100, 0, 0, 0, lv, gv, nullptr);
-  }, "linear_cross_entropy_logits_grad: z: expected dtype float32, got bfloat16");
+    linear_cross_entropy_logits_grad(host_view(zd.data(), DType::kFloat64, {3, 4}), yv, rv, -100, 0, 0, 0, lv, gv,
+                                     nullptr);
+  }, "linear_cross_entropy_logits_grad: z: expected dtype float32, bfloat16 or float16, got float64");
+  expect_error([&] {
+    TensorView gfv = host_view(gf.data(), DType::kFloat32, {3, 4});
+    linear_cross_entropy_logits_grad(host_view(zb.data(), DType::kBFloat16, {3, 4}), yv, rv, -100, 0, 0, 0, lv, gfv,
+                                     nullptr);
+  }, "linear_cross_entropy_logits_grad: g: expected dtype bfloat16 (that of z; any with float32 z), got float32");
   expect_error([&] { linear_cross_entropy_logits_grad(zv, yv, rv, -100, 1.0f, 0, 0, lv, gv, nullptr); },
                "expected 0 <= label_smoothing < 1");
   expect_error([&] {
@@ -145,5 +157,7 @@ TEST(LinearCrossEntropyCuda, LogitsGradAgainstFloat64) {
   all_cases<bf16>(true);
   all_cases<f16>(true);
   all_cases<float>(true);
+  all_cases<bf16, bf16>(true);
+  all_cases<f16, f16>(true);
 }
 #endif
