@@ -46,7 +46,8 @@ class _Variant:
         return loss
 
 
-def _variants(cfg: VLAConfig, batch: Batch, device, dtype, compiled: bool, fp8: bool) -> List[_Variant]:
+def _variants(cfg: VLAConfig, batch: Batch, device, dtype, compiled: bool, fp8: bool,
+              fp8_grad=torch.float8_e5m2) -> List[_Variant]:
     ref = VLAReference(cfg)
     init_weights(ref, seed=0)
     ref = ref.to(device, dtype)
@@ -67,7 +68,7 @@ def _variants(cfg: VLAConfig, batch: Batch, device, dtype, compiled: bool, fp8: 
         out.append(_Variant("mmfuse compiled", ours, lambda: ours_c(batch.embeds, batch.positions, batch.action),
                             ours.reference_grads))
     if fp8:
-        ours8 = VLADecoder(cfg, fp8=True, device=device, dtype=dtype)
+        ours8 = VLADecoder(cfg, fp8=True, fp8_grad_dtype=fp8_grad, device=device, dtype=dtype)
         ours8.load_reference(ref.state_dict())
         out.append(_Variant("mmfuse eager fp8", ours8, lambda: ours8(batch.embeds, batch.positions, batch.action),
                             ours8.reference_grads))
@@ -176,7 +177,7 @@ def _peak_extra_bytes(v: _Variant, target, device) -> int:
 
 def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, batch: int = 4, seq: int = 4096,
         action: int = 256, steps: int = 50, lr: float = 1e-4, fp8: bool = False, compile: bool = True,
-        quick: bool = False) -> dict:
+        quick: bool = False, fp8_grad: str = "e5m2") -> dict:
     on_gpu = device == "cuda"
     if not on_gpu:
         preset_name, batch, seq, action, steps = "tiny", 2, 48, 12, min(steps, 5)
@@ -187,7 +188,8 @@ def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, b
     print(f"\n## train: VLA MoT decoder, preset {preset_name} ({cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads}/"
           f"{cfg.kv_heads} heads, experts {cfg.inter_vl} / {cfg.inter_action}), batch {B} x {L}, {action} action "
           f"tokens a sample, {str(dtype).replace('torch.', '')}", flush=True)
-    variants = _variants(cfg, data, device, dtype, compiled=on_gpu and compile, fp8=fp8 and on_gpu)
+    grad_dtype = {"e5m2": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}[fp8_grad]
+    variants = _variants(cfg, data, device, dtype, compiled=on_gpu and compile, fp8=fp8 and on_gpu, fp8_grad=grad_dtype)
     # agreement first, from the initial weights: gradients, then the losses of a short training run
     first = variants[0]
     first.step(data.target)
@@ -244,7 +246,7 @@ def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, b
     rows += [dict(variant=name, verified=why) for name, why in failed.items()]
     ok = all(r["verified"] == "close" for r in rows)
     return dict(config=dict(preset=preset_name, layers=cfg.layers, batch=B, seq=L, action=action, steps=steps, lr=lr,
-                            dtype=str(dtype), fp8=fp8),
+                            dtype=str(dtype), fp8=fp8, fp8_grad=fp8_grad),
                 bound_ms=bound, bound_fp8_ms=bound8 if on_gpu else None, rows=rows, all_verified=ok)
 
 
@@ -257,6 +259,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=50, help="AdamW steps of the loss agreement check")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--no-compile", action="store_true", help="eager variants only")
+    p.add_argument("--fp8-grad", choices=("e5m2", "e4m3"), default="e5m2",
+                   help="the fp8 model's output-gradient format (default e5m2)")
     p.add_argument("--fp8", action="store_true",
                    help="also the mmfuse model with its projections and experts in fp8 where it pays (GPU)")
     p.add_argument("--nproc", type=int, default=1,

@@ -62,13 +62,14 @@ class MoTExperts(nn.Module):
 
     With ``fp8=True`` an expert whose gate/up GEMM is big enough for fp8 to pay (:func:`mmfuse.fp8.fp8_pays`;
     always on the CPU, which emulates fp8) runs both its projections through :func:`mmfuse.fp8_linear`
-    (e4m3 operands, e5m2 gradients, delayed scaling, fp8 copies saved for the backward); the other
+    (e4m3 operands, e5m2 gradients or ``grad_dtype``, delayed scaling, fp8 copies saved for the backward); the other
     stays bf16. The states are buffers (``fp8_delayed_states`` lists them for
     :func:`mmfuse.nn.reduce_amax_histories`)."""
 
     def __init__(self, hidden: int, intermediate_sizes: Sequence[int], *, fp8: bool = False,
-                 history: int = _fp8.DEFAULT_HISTORY, device=None, dtype=None):
+                 history: int = _fp8.DEFAULT_HISTORY, grad_dtype: torch.dtype = _fp8.E5M2, device=None, dtype=None):
         super().__init__()
+        self.grad_dtype = grad_dtype
         kw = dict(device=device, dtype=dtype)
         i0, i1 = intermediate_sizes
         self.gate_up0 = nn.Parameter(torch.empty(2 * i0, hidden, **kw))
@@ -89,7 +90,7 @@ class MoTExperts(nn.Module):
     def _fp8_linear(self, x: Tensor, proj: str) -> Tensor:
         return _fp8.fp8_linear(x, getattr(self, proj), x_state=getattr(self, f"{proj}_x_state"),
                                w_state=getattr(self, f"{proj}_w_state"), g_state=getattr(self, f"{proj}_g_state"),
-                               scaling="delayed")
+                               scaling="delayed", grad_dtype=self.grad_dtype)
 
     def _uses_fp8(self, x: Tensor, rows: int, e: int) -> bool:
         if not self.fp8:
@@ -115,7 +116,7 @@ class MoTExperts(nn.Module):
 
 
 class VLADecoderLayer(nn.Module):
-    def __init__(self, cfg, *, fp8: bool = False, device=None, dtype=None):
+    def __init__(self, cfg, *, fp8: bool = False, fp8_grad_dtype: torch.dtype = _fp8.E5M2, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.cfg = cfg
@@ -124,10 +125,11 @@ class VLADecoderLayer(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, (cfg.heads + 2 * cfg.kv_heads) * d, bias=True, **kw)
         self.o_proj = nn.Linear(cfg.heads * d, cfg.hidden, bias=False, **kw)
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden, **kw))
-        self.experts = MoTExperts(cfg.hidden, (cfg.inter_vl, cfg.inter_action), fp8=fp8, **kw)
+        self.experts = MoTExperts(cfg.hidden, (cfg.inter_vl, cfg.inter_action), fp8=fp8, grad_dtype=fp8_grad_dtype,
+                                  **kw)
         if fp8:  # the projections through Fp8Linear (bf16 where fp8 does not pay)
-            self.qkv = Fp8Linear.from_linear(self.qkv)
-            self.o_proj = Fp8Linear.from_linear(self.o_proj)
+            self.qkv = Fp8Linear.from_linear(self.qkv, grad_dtype=fp8_grad_dtype)
+            self.o_proj = Fp8Linear.from_linear(self.o_proj, grad_dtype=fp8_grad_dtype)
 
     def forward(self, y: Tensor, residual: Optional[Tensor], positions: Tensor, inv_freq: Tensor, B: int, L: int,
                 split: int):
@@ -155,15 +157,17 @@ class VLADecoder(nn.Module):
     """The decoder stack on mmfuse; forward(embeds [B, L, hidden], positions [3, B, L], action) ->
     [B, L, hidden], the last ``action`` tokens of each sample going through the action expert.
     ``fp8=True``: the q/k/v and o projections and the experts in fp8 where it pays (delayed scaling;
-    under data parallelism call :func:`mmfuse.nn.reduce_amax_histories` after each backward)."""
+    under data parallelism call :func:`mmfuse.nn.reduce_amax_histories` after each backward);
+    ``fp8_grad_dtype``: the output gradients' fp8 format (e5m2 by default, or e4m3: finer, less range)."""
 
-    def __init__(self, cfg, *, fp8: bool = False, device=None, dtype=None):
+    def __init__(self, cfg, *, fp8: bool = False, fp8_grad_dtype: torch.dtype = _fp8.E5M2, device=None, dtype=None):
         super().__init__()
         self.cfg = cfg
         d = cfg.head_dim
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
-        self.layers = nn.ModuleList(VLADecoderLayer(cfg, fp8=fp8, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(VLADecoderLayer(cfg, fp8=fp8, fp8_grad_dtype=fp8_grad_dtype, device=device,
+                                                    dtype=dtype)
                                     for _ in range(cfg.layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden, device=device, dtype=dtype))
 
