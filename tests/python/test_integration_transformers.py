@@ -13,12 +13,15 @@ transformers = pytest.importorskip("transformers")
 
 from mmfuse.bench.qwen_vl import PRESETS, make_batch, make_model, takes_token_types  # noqa: E402
 from mmfuse.integrations import qwen_vl as Q  # noqa: E402
-from mmfuse.integrations.transformers import PatchCallback, patch_qwen2_5_vl, patch_qwen2_vl  # noqa: E402
+from mmfuse.integrations.transformers import (PatchCallback, patch_qwen2_5_vl, patch_qwen2_vl,  # noqa: E402
+                                              patch_qwen3_vl)
 
 m, VERSION = Q.modeling()
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 HAS_TYPES = takes_token_types()
 FAMILIES = {"qwen2_5_vl": (Q.QWEN2_5_VL, patch_qwen2_5_vl), "qwen2_vl": (Q.QWEN2_VL, patch_qwen2_vl)}
+if hasattr(transformers, "Qwen3VLForConditionalGeneration"):  # 4.57+
+    FAMILIES["qwen3_vl"] = (Q.QWEN3_VL, patch_qwen3_vl)
 
 
 def _model(device, dtype, family="qwen2_5_vl"):
@@ -30,9 +33,13 @@ def _batch(device, dtype, labels=False, family="qwen2_5_vl"):
     text, a smaller image, text, left-padded."""
     rows = [[("text", 2), ("image", (1, 8, 12)), ("text", 2), ("video", (2, 4, 8)), ("text", 1)],
             [("text", 1), ("image", (1, 6, 4)), ("text", 3)]]
+    patch = 3 * 2 * 14 * 14
+    if family == "qwen3_vl":  # images only (its videos come with timestamp tokens); 16-pixel patches
+        rows[0][3] = ("image", (1, 4, 8))
+        patch = 3 * 2 * 16 * 16
     p = PRESETS["tiny"]
     b = make_batch(rows, ids=p["ids"], vocab=p["text"]["vocab_size"], length=45, left_padded=(1,), device=device,
-                   dtype=dtype, family=family)
+                   dtype=dtype, family=family, patch=patch)
     if not labels:
         del b["labels"]
     return b
@@ -87,11 +94,12 @@ def test_positions_and_rope_exact(device, dtype, family, monkeypatch):
     calls = {}
     for mod, name in ((P, "rope_index"), (P, "window_index"), (R, "mrope")):
         _counting(monkeypatch, mod, name, calls)
-    with patch(**EXACT):
+    positions = POSITIONS and family != "qwen3_vl"  # Qwen3-VL's positions stay transformers'
+    with patch(**dict(EXACT, positions=positions)):
         assert _snapshot(spec) != before
         got_logits, got_grads, got_deltas = _run(model, batch)
     windows = family == "qwen2_5_vl"
-    assert calls.get("mrope") and (not POSITIONS or calls.get("rope_index") and
+    assert calls.get("mrope") and (not positions or calls.get("rope_index") and
                                    bool(calls.get("window_index")) == windows), calls
     assert _snapshot(spec) == before  # reverted
     assert torch.equal(got_deltas, want_deltas)
@@ -119,7 +127,7 @@ def test_norm_and_mlp_close_to_unpatched(device, dtype, family, monkeypatch):
     calls = {}
     _counting(monkeypatch, Q, "_rms_norm", calls)
     _counting(monkeypatch, Q, "_swiglu", calls)
-    with patch(**BASE, linear_cross_entropy=False):
+    with patch(**dict(BASE, positions=BASE["positions"] and family != "qwen3_vl"), linear_cross_entropy=False):
         got_logits, got_grads, _ = _run(model, batch)
     # text: 2 layers x 2 norms + the final one (Qwen2.5-VL's vision: 3 blocks x 2 norms, the merger's,
     # and 3 MLPs more)
@@ -152,7 +160,7 @@ def test_linear_cross_entropy_loss(device, dtype, family, monkeypatch):
     want, want_grads = _train_step(model, batch)
     calls = {}
     _counting(monkeypatch, C, "linear_cross_entropy", calls)
-    with patch(**dict(EXACT, linear_cross_entropy=True)):
+    with patch(**dict(EXACT, linear_cross_entropy=True, positions=EXACT["positions"] and family != "qwen3_vl")):
         got, got_grads = _train_step(model, batch)
         assert got.logits is None and calls.get("linear_cross_entropy") == 1
         assert got["loss"] is got.loss and got[0] is got.loss and "logits" not in got.keys()  # as transformers
@@ -265,3 +273,9 @@ def test_trainer_with_patch_callback(tmp_path, monkeypatch):
     assert len(got) == len(want) == 3
     for g, w in zip(got, want):
         assert abs(g - w) <= 1e-3 * abs(w), (got, want)
+
+
+@pytest.mark.skipif("qwen3_vl" not in FAMILIES, reason="this transformers has no Qwen3-VL")
+def test_qwen3_positions_refused():
+    with pytest.raises(ValueError, match="Qwen3-VL's position ids .* are not covered"):
+        patch_qwen3_vl(positions=True)

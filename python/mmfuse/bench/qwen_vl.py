@@ -33,13 +33,17 @@ PRESETS: Dict[str, dict] = {
                  # Qwen2-VL's vision config names
                  vision_qwen2=dict(embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
                                    spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+                 # Qwen3-VL's (patch 16: an image's patch is 3 * 2 * 16 * 16 values)
+                 vision_qwen3=dict(hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                                   num_position_embeddings=64, deepstack_visual_indexes=[1]),
                  ids=TOY_IDS),
 }
 
 
 def _spec(family: str):
     from ..integrations import qwen_vl
-    return {"qwen2_5_vl": qwen_vl.QWEN2_5_VL, "qwen2_vl": qwen_vl.QWEN2_VL}[family]
+    return {"qwen2_5_vl": qwen_vl.QWEN2_5_VL, "qwen2_vl": qwen_vl.QWEN2_VL, "qwen3_vl": qwen_vl.QWEN3_VL}[family]
 
 
 def takes_token_types(family: str = "qwen2_5_vl") -> bool:
@@ -66,6 +70,16 @@ def make_model(preset: str = "tiny", *, family: str = "qwen2_5_vl", layers: int 
         text["rope_parameters"] = dict(rope, rope_theta=theta)
     else:
         text.update(rope_scaling=dict(rope, type="mrope"), rope_theta=theta)
+    if family == "qwen3_vl":  # nested configs only, head_dim given, rope_parameters
+        text.update(num_hidden_layers=layers, head_dim=text["hidden_size"] // text["num_attention_heads"],
+                    rope_parameters=dict(rope, rope_theta=theta))
+        text.pop("tie_word_embeddings")
+        cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=dict(p["vision_qwen3"], depth=vision_depth),
+                                         **p["ids"])
+        cfg._attn_implementation = attn
+        cfg.text_config._attn_implementation = cfg.vision_config._attn_implementation = attn
+        torch.manual_seed(seed)
+        return transformers.Qwen3VLForConditionalGeneration(cfg).to(device=device, dtype=dtype).eval()
     if family == "qwen2_vl":
         config_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
         vision = dict(p["vision_qwen2"], depth=vision_depth)

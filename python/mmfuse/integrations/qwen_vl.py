@@ -60,6 +60,10 @@ class Spec:
 QWEN2_5_VL = Spec("Qwen2.5-VL", "qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel",
                   "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VisionTransformerPretrainedModel",
                   ("Qwen2_5_VLRMSNorm", "Qwen2RMSNorm"), ("Qwen2MLP", "Qwen2_5_VLMLP"), None)
+# Qwen3-VL (transformers 4.57+): its text RoPE, norms, MLPs and loss; its positions (timestamps between
+# video frames) are not covered
+QWEN3_VL = Spec("Qwen3-VL", "qwen3_vl.modeling_qwen3_vl", "Qwen3VLModel", "Qwen3VLForConditionalGeneration",
+                "Qwen3VLVisionModel", ("Qwen3VLTextRMSNorm",), ("Qwen3VLTextMLP",), None)
 QWEN2_VL = Spec("Qwen2-VL", "qwen2_vl.modeling_qwen2_vl", "Qwen2VLModel", "Qwen2VLForConditionalGeneration",
                 "Qwen2VisionTransformerPretrainedModel", ("Qwen2VLRMSNorm", "Qwen2RMSNorm"), ("Qwen2MLP",), 1.0)
 
@@ -317,6 +321,6 @@ def linear_cross_entropy_targets(spec, m, v):
     return [(cls, "forward", wrap_forward(cls.forward))]
 
 
-__all__ = ["QWEN2_5_VL", "QWEN2_VL", "SUPPORTED", "Spec", "linear_cross_entropy_targets", "modeling",
+__all__ = ["QWEN2_5_VL", "QWEN2_VL", "QWEN3_VL", "SUPPORTED", "Spec", "linear_cross_entropy_targets", "modeling",
            "rms_norm_class", "rms_norm_targets", "rope_index_owner", "rope_targets", "swiglu_targets",
            "text_positions_targets", "version_tuple", "vision_positions_targets"]

@@ -32,7 +32,7 @@ or ``patch = patch_qwen2_5_vl(model); patch.apply(); ...; patch.revert()``; with
 the run. The patch changes functions and methods of transformers' modules (every model of these classes
 is affected while it is active; in 4.49-5.1 the RMSNorm class is Qwen2's own, shared with Qwen2 models).
 What it replaces in each transformers layout: :mod:`mmfuse.integrations.qwen_vl`.
-:class:`patch_qwen2_vl` does the same for Qwen2-VL.
+:class:`patch_qwen2_vl` does the same for Qwen2-VL, :class:`patch_qwen3_vl` for Qwen3-VL (not its positions).
 """
 
 from typing import Optional
@@ -123,6 +123,20 @@ class patch_qwen2_vl(patch_qwen2_5_vl):
     spec = _q.QWEN2_VL
 
 
+class patch_qwen3_vl(patch_qwen2_5_vl):
+    """The same patch for Qwen3-VL (transformers 4.57+): its text mRoPE (interleaved tables, as its
+    rotary module makes them), vision RoPE, text RMSNorm, SwiGLU MLP and the loss. Its positions
+    (timestamps between video frames) stay transformers' own: ``positions`` must be False."""
+
+    spec = _q.QWEN3_VL
+
+    def __init__(self, model: Optional[torch.nn.Module] = None, *, positions: bool = False, **kwargs):
+        if positions:
+            raise ValueError("patch_qwen3_vl: positions=True: Qwen3-VL's position ids (timestamps between video "
+                             "frames) are not covered by mmfuse.rope_index; leave positions=False")
+        super().__init__(model, positions=False, **kwargs)
+
+
 def _trainer_callback_base():
     try:
         from transformers import TrainerCallback
@@ -150,4 +164,4 @@ class PatchCallback(_trainer_callback_base()):
             self.patch = None
 
 
-__all__ = ["PatchCallback", "patch_qwen2_5_vl", "patch_qwen2_vl"]
+__all__ = ["PatchCallback", "patch_qwen2_5_vl", "patch_qwen2_vl", "patch_qwen3_vl"]
