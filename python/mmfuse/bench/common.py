@@ -122,6 +122,17 @@ def add_step_ratios(rows: List[dict], eager: str, compiled: str) -> None:
         r["mem_vs_eager"] = r["peak_gib"] / base[eager]["peak_gib"]
 
 
+def verify_step_rows(rows: List[dict], failed: dict, tolerances) -> bool:
+    """Marks each training-step row "close" or "FAIL" by ``tolerances(variant) -> (gradient error,
+    relative loss)``, appends the variants that failed to run (``failed``: name -> reason), and returns
+    whether every row is close."""
+    for r in rows:
+        grad_tol, loss_tol = tolerances(r["variant"])
+        r["verified"] = "close" if r["grad_err"] <= grad_tol and r["loss_rel"] <= loss_tol else "FAIL"
+    rows += [dict(variant=name, verified=why) for name, why in failed.items()]
+    return all(r["verified"] == "close" for r in rows)
+
+
 def print_step_table(rows: List[dict], steps: int, column: tuple, first: tuple = ()) -> None:
     """The training-step table of ``mmfuse-bench train`` / ``model``. ``column``: (title, key, format) of
     the one column the two differ in; ``first``: rows (label, ms, tokens/s, that column's value) above

@@ -17,7 +17,7 @@ from typing import List, Optional
 import torch
 
 from ..integrations.transformers import patch_qwen2_5_vl
-from .common import add_step_ratios, print_step_table, time_us
+from .common import add_step_ratios, print_step_table, time_us, verify_step_rows
 from .qwen_vl import PRESETS, make_batch, make_model
 
 
@@ -165,13 +165,10 @@ def run(device: str, *, layers: int = 4, vision_depth: int = 4, batch: int = 2, 
             return 0.5, 5e-2
         return (0.1, 2e-2) if on_gpu else (1e-3, 1e-4)
 
-    for r in rows:
-        g_tol, l_tol = tolerances(r["variant"])
-        r["verified"] = "close" if r["grad_err"] <= g_tol and r["loss_rel"] <= l_tol else "FAIL"
-    rows += [dict(variant=name, verified=why) for name, why in failed.items()]
+    ok = verify_step_rows(rows, failed, tolerances)
     return dict(config=dict(preset=preset, layers=layers, vision_depth=vision_depth, batch=B, seq=L, steps=steps,
                             lr=lr, dtype=str(dtype), fp8=fp8),
-                rows=rows, all_verified=all(r["verified"] == "close" for r in rows))
+                rows=rows, all_verified=ok)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

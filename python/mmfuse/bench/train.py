@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..nn.vla import VLADecoder
-from .common import add_step_ratios, print_step_table, time_us
+from .common import add_step_ratios, print_step_table, time_us, verify_step_rows
 from .vla_reference import Batch, VLAConfig, VLAReference, init_weights, make_batch, preset, type_indices
 
 
@@ -240,11 +240,7 @@ def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, b
             return 0.3, 3e-2
         return (5e-2, 1e-2) if on_gpu else (1e-4, 1e-5)
 
-    for r in rows:
-        grad_tol, loss_tol = tolerances(r["variant"])
-        r["verified"] = "close" if r["grad_err"] <= grad_tol and r["loss_rel"] <= loss_tol else "FAIL"
-    rows += [dict(variant=name, verified=why) for name, why in failed.items()]
-    ok = all(r["verified"] == "close" for r in rows)
+    ok = verify_step_rows(rows, failed, tolerances)
     return dict(config=dict(preset=preset_name, layers=cfg.layers, batch=B, seq=L, action=action, steps=steps, lr=lr,
                             dtype=str(dtype), fp8=fp8, fp8_grad=fp8_grad),
                 bound_ms=bound, bound_fp8_ms=bound8 if on_gpu else None, rows=rows, all_verified=ok)

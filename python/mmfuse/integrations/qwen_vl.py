@@ -122,7 +122,7 @@ def text_positions_targets(spec, m, v):
     pad_zero = False
     if "mm_token_type_ids" in params:
         if v < (5, 8):  # 5.3-5.7 read second_per_grid_ts for images too: a video after an image gets another's
-            raise ImportError(f"mmfuse patch_qwen2_5_vl: positions: transformers {'.'.join(map(str, v))}'s "
+            raise ImportError(f"mmfuse patch ({spec.name}): positions: transformers {'.'.join(map(str, v))}'s "
                               f"get_rope_index (5.3-5.7) takes a video's seconds per grid for each image; mmfuse's "
                               f"hf5 mode is 5.8 and later: upgrade, or pass positions=False")
         mode = "hf5"
