@@ -81,7 +81,7 @@ def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss,
                                                                                                           dtype=torch.float32)
     db = torch.zeros(V, dtype=torch.float32, device=hidden.device) if need_grads and bias is not None \
         else hidden.new_empty(0, dtype=torch.float32)
-    fused = hidden.dtype != torch.float64  # fp32 logits: the fused kernel; fp64 (gradcheck): PyTorch ops
+    fused = hidden.dtype != torch.float64  # the fused kernel (fp32 or 16-bit logits); fp64 (gradcheck): PyTorch ops
     # the weight gradient's GEMM takes DW_CHUNKS chunks at once: its fp32 accumulator ([V, H]) is read
     # and written once a group instead of once a chunk, for one more chunk's gradient held
     group = chunk * (DW_CHUNKS if fused else 1)
@@ -116,7 +116,7 @@ def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss,
         if need_grads and fused:
             gg, hh = g_buf[:i1 - i0], hidden[i0:i1]
             if hidden.dtype == torch.float32:
-                dw += gg.t() @ hh
+                dw.addmm_(gg.t(), hh)  # into the accumulator, no [V, H] temporary
             else:  # fp32 accumulation into dw: the dual GEMM's accumulate (g^T @ h)
                 empty = gg[:0, :0]
                 torch.ops.mmfuse.dual_gemm_out(gg, hh, empty, empty, dw, dw[:0, :0], True, False, True)
