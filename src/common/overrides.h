@@ -14,6 +14,7 @@ enum class Knob {
   kMoePlan,      // MMFUSE_MOE_PLAN: auto, cooperative, two
   kMoePlanHist,  // MMFUSE_MOE_PLAN_HIST: auto, wide, narrow
   kMoeBackward,  // MMFUSE_MOE_BWD: auto, tile, general, warp, entry
+  kRmsNormBackward,  // MMFUSE_RMS_NORM_BWD: auto, prefetch, single
 };
 
 // The knob's setting: an index into its choices, 0 for auto. The first call reads every knob's

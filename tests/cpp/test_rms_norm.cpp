@@ -283,6 +283,11 @@ TEST(RmsNormPath, RowShape) {
   EXPECT_EQ(detail::rms_norm::backward_blocks(10, 132, 1024), 10);
   EXPECT_EQ(detail::rms_norm::backward_blocks(100000, 132, 1024), 528);
   EXPECT_EQ(detail::rms_norm::backward_blocks(100000, 132, 300), 300);
+  EXPECT_TRUE(detail::rms_norm::backward_prefetch(1, 0));    // H 2048 bf16: two rows in registers
+  EXPECT_FALSE(detail::rms_norm::backward_prefetch(1, 2));   // MMFUSE_RMS_NORM_BWD=single
+  EXPECT_FALSE(detail::rms_norm::backward_prefetch(2, 0));   // H 3584 bf16: one row (it would spill)
+  EXPECT_FALSE(detail::rms_norm::backward_prefetch(2, 1));   // not compiled there: the override falls back
+  EXPECT_FALSE(detail::rms_norm::backward_prefetch(0, 0));   // streamed rows
 }
 
 #ifdef MMFUSE_WITH_CUDA
@@ -295,5 +300,22 @@ TEST(RmsNormCuda, AgainstFloat64) {
     run_case<float>(c, rng, true);
   }
   run_case<bf16>({16384, 2048, true, true, true, true, 4096, 3840, 0}, rng, true);  // the VLA step's shape
+}
+
+// Both row kernels of the backward (MMFUSE_RMS_NORM_BWD) with more rows than blocks, so that the
+// prefetching one carries rows from one iteration into the next.
+TEST(RmsNormCuda, BackwardPathsAgainstFloat64) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  struct Restore {
+    ~Restore() { set_path_override("MMFUSE_RMS_NORM_BWD", ""); }
+  } restore;
+  std::mt19937_64 rng(test_seed());
+  for (const char* mode : {"prefetch", "single"}) {
+    SCOPED_TRACE(mode);
+    set_path_override("MMFUSE_RMS_NORM_BWD", mode);
+    run_case<bf16>({1501, 2048, false, false, false, false, 0, 0, 8}, rng, true);
+    run_case<f16>({1500, 2048, true, true, false, true, 300, 44, 0}, rng, true);
+    run_case<bf16>({1500, 2000, true, false, true, true, 250, 3, 0}, rng, true);  // 250 vectors: a partial warp
+  }
 }
 #endif

@@ -1,13 +1,15 @@
 """``mmfuse-bench rms_norm``: residual add + RMSNorm at the VLA step's shapes (bf16; T = 16384 tokens of
 hidden 2048 and 3584), forward and backward, against HF's code in eager PyTorch and under
 torch.compile, with the copy ceiling of the same run. Bytes: forward reads x and the residual, writes
-the normalized rows and h; backward reads dout, dh and h, writes dx (and the weight gradient)."""
+the normalized rows and h; backward reads dout, dh and h, writes dx (and the weight gradient). The
+backward kernel runs on each of its row paths (MMFUSE_RMS_NORM_BWD) and is checked against HF's
+autograd in float64."""
 
 import torch
 
 import mmfuse
 
-from .common import Row, run_bandwidth_family, time_us
+from .common import Row, path_override, run_bandwidth_family, time_us
 
 
 def _hf(x, res, w, eps=1e-6):
@@ -49,8 +51,16 @@ def _rows(T, H, device, quick):
     t_o, s_o = time_us(lambda: torch.ops.mmfuse.rms_norm(x, res, w, 1e-6), device, **it)
     rows += [Row(f"{tag} fwd  HF eager", t_e, s_e, fwd_bytes), Row(f"{tag} fwd  HF torch.compile", t_c, s_c, fwd_bytes),
              Row(f"{tag} fwd  mmfuse", t_o, s_o, fwd_bytes, t_c, "vs compile", verdict)]
-    t_o, s_o = time_us(lambda: torch.ops.mmfuse.rms_norm_backward(dout, dh, h, rstd, w), device, **it)
-    rows.append(Row(f"{tag} bwd  mmfuse (kernel)", t_o, s_o, bwd_bytes, verified=verdict))
+    hs, ws = h.double().requires_grad_(), w.double().requires_grad_()  # from the rounded residual sum, as saved
+    want_dx, want_dw = torch.autograd.grad(_hf(hs, torch.zeros_like(hs), ws), (hs, ws), (dout.double(), dh.double()))
+    for path in ("auto", "single") if device == "cuda" else ("auto",):
+        with path_override("MMFUSE_RMS_NORM_BWD", path):
+            dx, _, dw = torch.ops.mmfuse.rms_norm_backward(dout, dh, h, rstd, w)
+            ok = bool(((dx.double() - want_dx).abs() <= 2 ** -7 * want_dx.abs() + 2 ** -6).all()) and \
+                bool(((dw.double() - want_dw).abs() <= 1e-3 * want_dw.abs().max()).all())
+            t_o, s_o = time_us(lambda: torch.ops.mmfuse.rms_norm_backward(dout, dh, h, rstd, w), device, **it)
+        name = "bwd  mmfuse (kernel)" if path == "auto" else "bwd  mmfuse (kernel, one row in flight)"
+        rows.append(Row(f"{tag} {name}", t_o, s_o, bwd_bytes, verified="close" if ok else "FAIL"))
     t_e, s_e = time_us(hf_fb(_hf), device, **it)
     t_c, s_c = time_us(hf_fb(hf_c), device, **it)
     t_o, s_o = time_us(hf_fb(lambda a, b, c: mmfuse.rms_norm(a, c, 1e-6, b)), device, **it)

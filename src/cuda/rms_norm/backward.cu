@@ -2,6 +2,7 @@
 // in registers where it fits; dx and dresidual written once, the weight gradient as a per-block
 // partial sum (registers, or the block's workspace row) and then summed over the blocks in order by
 // a second kernel: no atomics, the same bits on every run.
+#include "common/overrides.h"
 #include "cuda/rms_norm/common.cuh"
 
 namespace mmfuse {
@@ -27,10 +28,8 @@ __device__ __forceinline__ float grad_vec(const Vec<S, VEC>& dy, const Vec<S, VE
 // dx = r * (gw - xh * mean) (+ dh), rounded once
 template <class S, int VEC, bool kDh>
 __device__ __forceinline__ Vec<S, VEC> dx_vec(const float (&gw)[VEC], const float (&xh)[VEC], float r, float mean,
-                                              const Vec<S, VEC>* dhr, int c) {
+                                              const Vec<S, VEC>& d) {
   Vec<S, VEC> o;
-  Vec<S, VEC> d;
-  if constexpr (kDh) d = dhr[c];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
     float v = cuda::mul_rn(r, cuda::sub_rn(gw[e], cuda::mul_rn(xh[e], mean)));
@@ -40,7 +39,27 @@ __device__ __forceinline__ Vec<S, VEC> dx_vec(const float (&gw)[VEC], const floa
   return o;
 }
 
-template <class S, int VEC, int NV, bool kDh, bool kDres>
+// One row's inputs as a thread holds them in registers (the register-resident path).
+template <class S, int VEC, int NV, bool kDh>
+struct RowRegs {
+  Vec<S, VEC> dy[NV], h[NV], dh[NV];
+  float r;
+  __device__ __forceinline__ void load(const Vec<S, VEC>* dyr, const Vec<S, VEC>* hr, const Vec<S, VEC>* dhr,
+                                       const float* rstd, int64_t t, int V) {
+    r = rstd[t];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c < V) {
+        dy[i] = dyr[c];
+        h[i] = hr[c];
+        if constexpr (kDh) dh[i] = dhr[c];
+      }
+    }
+  }
+};
+
+template <class S, int VEC, int NV, bool kDh, bool kDres, bool kPrefetch>
 __global__ void __launch_bounds__(rms_norm::kMaxThreads)
     rms_norm_bwd_kernel(Rows<Vec<S, VEC>> dout, Rows<Vec<S, VEC>> dh, Rows<Vec<S, VEC>> h,
                         const float* __restrict__ rstd, const Vec<S, VEC>* __restrict__ w, OutRows<Vec<S, VEC>> dx,
@@ -49,51 +68,38 @@ __global__ void __launch_bounds__(rms_norm::kMaxThreads)
   using W = Vec<S, VEC>;
   __shared__ float red[32];
   float* mine = partial + int64_t(blockIdx.x) * V * VEC;  // [H]: this block's weight-gradient sum
-  constexpr int kNV = NV > 0 ? NV : 1;
-  float acc[kNV][VEC] = {};
-  float gw[kNV][VEC], xh[kNV][VEC];
-  for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
-    const W* dyr = dout.row(g.row(t, og));
-    const W* hr = h.row(t);
-    const W* dhr = kDh ? dh.row(t) : nullptr;
-    const float r = rstd[t];
-    float dot = 0.0f;
-    if constexpr (NV > 0) {
+  if constexpr (NV > 0) {
+    // kPrefetch: the next row's loads are issued before this row's block-wide reduction, so that the
+    // block keeps memory busy through its barriers, at the cost of a second row's registers.
+    float acc[NV][VEC] = {};
+    RowRegs<S, VEC, NV, kDh> cur, nxt;
+    int64_t t = blockIdx.x;
+    if (kPrefetch && t < T) cur.load(dout.row(g.row(t, og)), h.row(t), kDh ? dh.row(t) : nullptr, rstd, t, V);
+    for (; t < T; t += gridDim.x) {
+      if (!kPrefetch) cur.load(dout.row(g.row(t, og)), h.row(t), kDh ? dh.row(t) : nullptr, rstd, t, V);
+      float dot = 0.0f;
+      float gw[VEC], xh[VEC];  // recomputed after the reduction rather than held through it (registers)
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
-        if (c < V) dot += grad_vec<S, VEC>(dyr[c], w[c], hr[c], r, gw[i], xh[i], acc[i]);
+        if (c < V) dot += grad_vec<S, VEC>(cur.dy[i], w[c], cur.h[i], cur.r, gw, xh, acc[i]);
       }
+      const int64_t tn = t + gridDim.x;
+      if (kPrefetch && tn < T) nxt.load(dout.row(g.row(tn, og)), h.row(tn), kDh ? dh.row(tn) : nullptr, rstd, tn, V);
       const float mean = block_sum(dot, red) / hf;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
         if (c < V) {
-          const W o = dx_vec<S, VEC, kDh>(gw[i], xh[i], r, mean, dhr, c);
+          float unused[VEC] = {};
+          grad_vec<S, VEC>(cur.dy[i], w[c], cur.h[i], cur.r, gw, xh, unused);
+          const W o = dx_vec<S, VEC, kDh>(gw, xh, cur.r, mean, cur.dh[i]);
           dx.row(g.row(t, xg))[c] = o;
           if constexpr (kDres) dres.row(t)[c] = o;
         }
       }
-    } else {  // two passes; the weight-gradient sum in this block's workspace row
-      for (int c = threadIdx.x; c < V; c += blockDim.x) {
-        float a[VEC];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) a[e] = t == blockIdx.x ? 0.0f : mine[c * VEC + e];
-        dot += grad_vec<S, VEC>(dyr[c], w[c], hr[c], r, gw[0], xh[0], a);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) mine[c * VEC + e] = a[e];
-      }
-      const float mean = block_sum(dot, red) / hf;
-      for (int c = threadIdx.x; c < V; c += blockDim.x) {
-        float unused[VEC] = {};
-        grad_vec<S, VEC>(dyr[c], w[c], hr[c], r, gw[0], xh[0], unused);
-        const W o = dx_vec<S, VEC, kDh>(gw[0], xh[0], r, mean, dhr, c);
-        dx.row(g.row(t, xg))[c] = o;
-        if constexpr (kDres) dres.row(t)[c] = o;
-      }
+      if constexpr (kPrefetch) cur = nxt;
     }
-  }
-  if constexpr (NV > 0) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int c = threadIdx.x + i * blockDim.x;
@@ -102,16 +108,55 @@ __global__ void __launch_bounds__(rms_norm::kMaxThreads)
         for (int e = 0; e < VEC; ++e) mine[c * VEC + e] = acc[i][e];
       }
     }
+  } else {  // two passes a row; the weight-gradient sum in this block's workspace row
+    float gw[VEC], xh[VEC];
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+      const W* dyr = dout.row(g.row(t, og));
+      const W* hr = h.row(t);
+      const W* dhr = kDh ? dh.row(t) : nullptr;
+      const float r = rstd[t];
+      float dot = 0.0f;
+      for (int c = threadIdx.x; c < V; c += blockDim.x) {
+        float a[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) a[e] = t == blockIdx.x ? 0.0f : mine[c * VEC + e];
+        dot += grad_vec<S, VEC>(dyr[c], w[c], hr[c], r, gw, xh, a);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) mine[c * VEC + e] = a[e];
+      }
+      const float mean = block_sum(dot, red) / hf;
+      for (int c = threadIdx.x; c < V; c += blockDim.x) {
+        float unused[VEC] = {};
+        grad_vec<S, VEC>(dyr[c], w[c], hr[c], r, gw, xh, unused);
+        W d;
+        if constexpr (kDh) d = dhr[c];
+        const W o = dx_vec<S, VEC, kDh>(gw, xh, r, mean, d);
+        dx.row(g.row(t, xg))[c] = o;
+        if constexpr (kDres) dres.row(t)[c] = o;
+      }
+    }
   }
 }
 
-// dweight[j] = sum over the blocks b, in order, of partial[b][j]
-__global__ void __launch_bounds__(256) rms_norm_dweight_kernel(const float* __restrict__ partial, int64_t blocks,
-                                                                int64_t H, float* __restrict__ dweight) {
-  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < H; j += int64_t(gridDim.x) * blockDim.x) {
-    float s = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) s = cuda::add_rn(s, partial[b * H + j]);
-    dweight[j] = s;
+// dweight[j] = the sum over the blocks b of partial[b][j]: a tile of 32 columns a block, its 32 warps
+// each summing every 32nd partial row in order, then warp 0 summing the 32 warp sums in order: a fixed
+// order (the same bits on every run) with enough loads in flight to read the partials at bandwidth.
+constexpr int kDweightCols = 32, kDweightWarps = 32;
+__global__ void __launch_bounds__(kDweightCols* kDweightWarps)
+    rms_norm_dweight_kernel(const float* __restrict__ partial, int64_t blocks, int64_t H, float* __restrict__ dweight) {
+  __shared__ float sums[kDweightWarps][kDweightCols + 1];
+  const int lane = threadIdx.x % kDweightCols, warp = threadIdx.x / kDweightCols;
+  const int64_t j = int64_t(blockIdx.x) * kDweightCols + lane;
+  float s = 0.0f;
+  if (j < H)
+    for (int64_t b = warp; b < blocks; b += kDweightWarps) s = cuda::add_rn(s, partial[b * H + j]);
+  sums[warp][lane] = s;
+  __syncthreads();
+  if (warp == 0 && j < H) {
+    float total = 0.0f;
+#pragma unroll 8
+    for (int k = 0; k < kDweightWarps; ++k) total = cuda::add_rn(total, sums[k][lane]);
+    dweight[j] = total;
   }
 }
 
@@ -139,15 +184,22 @@ void rms_norm_backward_cuda(const TensorView& dout, const TensorView& dh, const 
     using W = Vec<S, VEC>;
     const int V = int(H / VEC);
     const rms_norm::RowShape shape = rms_norm::row_shape(V);
+    const bool prefetch = rms_norm::backward_prefetch(shape.vectors_per_thread, path_override(Knob::kRmsNormBackward));
     dispatch_nv(shape.vectors_per_thread, [&](auto nvc) {
       constexpr int NV = decltype(nvc)::value;
       auto go = [&](auto kdh, auto kdres) {
         constexpr bool D = decltype(kdh)::value, R = decltype(kdres)::value;
-        rms_norm_bwd_kernel<S, VEC, NV, D, R><<<unsigned(blocks), shape.threads, 0, stream>>>(
-            rows_of<W>(dout), has_dh ? rows_of<W>(dh) : Rows<W>{nullptr, 0}, rows_of<W>(h),
-            static_cast<const float*>(rstd.data), static_cast<const W*>(weight.data), out_rows_of<W>(dx),
-            has_dres ? out_rows_of<W>(dres) : OutRows<W>{nullptr, 0}, partial, T, V, float(H), groups_of(g, T),
-            g.x_grouped, g.out_grouped);
+        auto launch = [&](auto kpre) {
+          rms_norm_bwd_kernel<S, VEC, NV, D, R, decltype(kpre)::value><<<unsigned(blocks), shape.threads, 0, stream>>>(
+              rows_of<W>(dout), has_dh ? rows_of<W>(dh) : Rows<W>{nullptr, 0}, rows_of<W>(h),
+              static_cast<const float*>(rstd.data), static_cast<const W*>(weight.data), out_rows_of<W>(dx),
+              has_dres ? out_rows_of<W>(dres) : OutRows<W>{nullptr, 0}, partial, T, V, float(H), groups_of(g, T),
+              g.x_grouped, g.out_grouped);
+        };
+        if constexpr (rms_norm::prefetch_compiled(NV)) {
+          if (prefetch) return launch(std::true_type{});
+        }
+        launch(std::false_type{});
       };
       if (has_dh && has_dres)
         go(std::true_type{}, std::true_type{});
@@ -160,7 +212,8 @@ void rms_norm_backward_cuda(const TensorView& dout, const TensorView& dh, const 
       MMFUSE_CUDA_CHECK_LAUNCH("rms_norm_bwd_kernel");
     });
   });
-  rms_norm_dweight_kernel<<<unsigned((H + 255) / 256), 256, 0, stream>>>(partial, blocks, H, dw);
+  rms_norm_dweight_kernel<<<unsigned((H + kDweightCols - 1) / kDweightCols), kDweightCols * kDweightWarps, 0, stream>>>(
+      partial, blocks, H, dw);
   MMFUSE_CUDA_CHECK_LAUNCH("rms_norm_dweight_kernel");
 }
 

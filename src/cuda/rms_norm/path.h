@@ -36,6 +36,16 @@ inline int64_t backward_blocks(int64_t tokens, int sms, int64_t max_blocks) {
   return std::max<int64_t>(1, std::min<int64_t>({tokens, int64_t(4) * sms, max_blocks}));
 }
 
+// Whether the backward kernel holds two rows a thread (the next row's loads in flight through this
+// row's reduction): compiled for 1 vector a thread only, where the second row fits the registers without
+// spilling (at 2 vectors a thread it spills to the stack).
+constexpr bool prefetch_compiled(int vectors_per_thread) { return vectors_per_thread == 1; }
+
+// override: MMFUSE_RMS_NORM_BWD's index (0 auto, 1 prefetch, 2 single); prefetch where compiled.
+inline bool backward_prefetch(int vectors_per_thread, int override) {
+  return prefetch_compiled(vectors_per_thread) && override != 2;
+}
+
 }  // namespace rms_norm
 }  // namespace detail
 }  // namespace mmfuse
