@@ -69,13 +69,6 @@ void check_device(const TensorView& v, Device want, const char* name, const char
                device_name(v.device));
 }
 
-bool same_view(const TensorView& a, const TensorView& b) {
-  if (a.data != b.data || a.ndim != b.ndim) return false;
-  for (int i = 0; i < a.ndim; ++i)
-    if (a.shape[i] != b.shape[i] || (a.shape[i] > 1 && a.stride[i] != b.stride[i])) return false;
-  return true;
-}
-
 // An output is either the very same view as its input (in place) or shares no element with it, and
 // is never expanded.
 void check_alias(const TensorView& in, const TensorView& out, const char* in_name, const char* out_name,

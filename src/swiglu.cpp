@@ -44,7 +44,16 @@ void swiglu_backward(const TensorView& dy, const TensorView& gate_up, TensorView
   check_matrix(op, dy, "dy", T, I, dt, dev, "gate_up");
   check_matrix(op, d_gate_up, "d_gate_up", T, 2 * I, dt, dev, "gate_up");
   if (y.defined()) check_matrix(op, y, "y", T, I, dt, dev, "gate_up");
-  check_outputs_separate(op, {{&d_gate_up, "d_gate_up"}, {&y, "y"}}, {{&dy, "dy"}, {&gate_up, "gate_up"}});
+  // the exact in-place pairs (d_gate_up is gate_up, y is dy) are allowed; any other sharing is not
+  check_not_expanded(op, d_gate_up, "d_gate_up");
+  check_not_expanded(op, y, "y");
+  if (!same_view(d_gate_up, gate_up)) check_no_overlap(op, d_gate_up, "d_gate_up", gate_up, "gate_up");
+  check_no_overlap(op, d_gate_up, "d_gate_up", dy, "dy");
+  if (y.defined()) {
+    if (!same_view(y, dy)) check_no_overlap(op, y, "y", dy, "dy");
+    check_no_overlap(op, y, "y", gate_up, "gate_up");
+    check_no_overlap(op, y, "y", d_gate_up, "d_gate_up");
+  }
   if (T == 0 || I == 0) return;
   if (dev.type == DeviceType::kCPU) return detail::swiglu_backward_cpu(dy, gate_up, d_gate_up, y);
   MMFUSE_CUDA_BACKEND(op, stream, detail::swiglu_backward_cuda(dy, gate_up, d_gate_up, y, stream));

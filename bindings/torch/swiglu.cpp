@@ -37,9 +37,19 @@ std::tuple<Tensor, Tensor> swiglu_backward_impl(const Tensor& dy_in, const Tenso
   return {dgu, y};
 }
 
+// In place: no contiguous copy to write into (the core refuses a last dim with a stride).
+void swiglu_backward_inplace_impl(const Tensor& dy, const Tensor& gate_up) {
+  guarded("swiglu_backward_", [&] {
+    TensorView dv = view(gate_up, "gate_up"), yv = view(dy, "dy");
+    c10::OptionalDeviceGuard g(gate_up.device());
+    swiglu_backward(yv, dv, dv, yv, current_stream(gate_up));
+  });
+}
+
 void register_swiglu(torch::Library& m) {
   m.impl("swiglu", &swiglu_impl);
   m.impl("swiglu_backward", &swiglu_backward_impl);
+  m.impl("swiglu_backward_", &swiglu_backward_inplace_impl);
 }
 
 }  // namespace

@@ -18,8 +18,10 @@ namespace mmfuse {
 
 MMFUSE_API void swiglu(const TensorView& gate_up, TensorView& out, cudaStream_t stream);
 
-// dy, gate_up -> d_gate_up [T, 2I], and y [T, I] where given (absent: not written). Outputs must not
-// overlap the inputs or each other.
+// dy, gate_up -> d_gate_up [T, 2I], and y [T, I] where given (absent: not written). In place is
+// allowed as exact pairs only: d_gate_up may be gate_up itself and y may be dy itself (each element
+// is read before its thread writes it), which frees the caller of two activation-sized buffers;
+// any other overlap, and an expanded output, is an error.
 MMFUSE_API void swiglu_backward(const TensorView& dy, const TensorView& gate_up, TensorView& d_gate_up, TensorView& y,
                                 cudaStream_t stream);
 

@@ -32,6 +32,17 @@ def swiglu_backward(dy: Tensor, gate_up: Tensor, recompute: bool = True) -> Tupl
     return torch.ops.mmfuse.swiglu_backward(dy, gate_up, recompute)
 
 
+def swiglu_backward_(dy: Tensor, gate_up: Tensor) -> None:
+    """In-place :func:`swiglu_backward` with the activation recomputed: ``gate_up`` becomes
+    ``d_gate_up`` and ``dy`` becomes ``y``, so a backward that owns both (an autograd function's saved
+    gate/up output and the gradient it computed) needs no new ``[T, 2I]`` and ``[T, I]`` buffers. Both
+    2-D with a contiguous last dim; not differentiable; their version counters move, so that autograd
+    refuses a stale saved copy of either."""
+    torch.ops.mmfuse.swiglu_backward_(dy, gate_up)
+    torch.autograd.graph.increment_version(dy)
+    torch.autograd.graph.increment_version(gate_up)
+
+
 @torch.library.register_fake("mmfuse::swiglu")
 def _swiglu_fake(gate_up):
     return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
@@ -41,6 +52,11 @@ def _swiglu_fake(gate_up):
 def _swiglu_backward_fake(dy, gate_up, recompute=True):
     T, two_i = gate_up.shape
     return gate_up.new_empty(T, two_i), gate_up.new_empty(T if recompute else 0, two_i // 2)
+
+
+@torch.library.register_fake("mmfuse::swiglu_backward_")
+def _swiglu_backward_inplace_fake(dy, gate_up):
+    return None
 
 
 def _setup_context(ctx, inputs, output):

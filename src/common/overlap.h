@@ -77,6 +77,15 @@ inline bool views_overlap(const TensorView& a, const TensorView& b) {
   return meets(meets, 0, d);
 }
 
+// Whether two views are the same elements in the same order (an exact in-place pair; two absent views
+// count as the same).
+inline bool same_view(const TensorView& a, const TensorView& b) {
+  if (a.data != b.data || a.dtype != b.dtype || a.ndim != b.ndim) return false;
+  for (int i = 0; i < a.ndim; ++i)
+    if (a.shape[i] != b.shape[i] || (a.shape[i] > 1 && a.stride[i] != b.stride[i])) return false;
+  return true;
+}
+
 // A view that writes some element twice (a stride-0 dim of extent > 1: an expanded tensor).
 inline bool expanded(const TensorView& v) {
   for (int i = 0; i < v.ndim; ++i)

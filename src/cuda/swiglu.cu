@@ -39,10 +39,12 @@ __global__ void __launch_bounds__(kThreads) swiglu_kernel(const char* __restrict
   }
 }
 
+// No __restrict__: d_gate_up may be gate_up and y may be dy (in place); a thread loads its three
+// vectors before it stores any.
 template <class S, int VEC, bool kY>
 __global__ void __launch_bounds__(kThreads)
-    swiglu_bwd_kernel(const char* __restrict__ dy, int64_t dys, const char* __restrict__ gu, int64_t gus,
-                      char* __restrict__ dgu, int64_t dgus, char* __restrict__ y, int64_t ys, int64_t T, int V) {
+    swiglu_bwd_kernel(const char* dy, int64_t dys, const char* gu, int64_t gus, char* dgu, int64_t dgus, char* y,
+                      int64_t ys, int64_t T, int V) {
   using W = Vec<S, VEC>;
   const int c = blockIdx.x * kThreads + threadIdx.x;
   if (c >= V) return;

@@ -28,10 +28,14 @@ void run_case(int64_t T, int64_t I, int64_t pad, std::mt19937_64& rng, bool on_g
   auto hv = [](std::vector<S>& v, int64_t rows, int64_t cols, int64_t ld_) {
     return host_view(v.data(), dtype_of<S>(), {rows, cols}, {ld_, 1});
   };
+  // the in-place pairs: gate_up becomes d_gate_up and dy becomes y, the same bits as out of place
+  std::vector<S> gu_ip = gu, dy_ip = dy;
   if (!on_gpu) {
     TensorView yv = hv(y, T, I, ldy), dv = hv(dgu, T, 2 * I, ld), y2v = hv(y2, T, I, ldy);
     swiglu(hv(gu, T, 2 * I, ld), yv, nullptr);
     swiglu_backward(hv(dy, T, I, ldy), hv(gu, T, 2 * I, ld), dv, y2v, nullptr);
+    TensorView gv = hv(gu_ip, T, 2 * I, ld), dyv = hv(dy_ip, T, I, ldy);
+    swiglu_backward(dyv, gv, gv, dyv, nullptr);
   } else {
 #ifdef MMFUSE_WITH_CUDA
     DeviceBuffer<S> dg(gu), dd(dy), dyo(y), ddg(dgu), dy2(y2);
@@ -42,10 +46,14 @@ void run_case(int64_t T, int64_t I, int64_t pad, std::mt19937_64& rng, bool on_g
     TensorView yv = dvw(dyo, T, I, ldy), dv = dvw(ddg, T, 2 * I, ld), y2v = dvw(dy2, T, I, ldy);
     swiglu(dvw(dg, T, 2 * I, ld), yv, st.s);
     swiglu_backward(dvw(dd, T, I, ldy), dvw(dg, T, 2 * I, ld), dv, y2v, st.s);
+    TensorView gv = dvw(dg, T, 2 * I, ld), dyv = dvw(dd, T, I, ldy);
+    swiglu_backward(dyv, gv, gv, dyv, st.s);
     ASSERT_EQ(cudaStreamSynchronize(st.s), cudaSuccess);
     y = dyo.download();
     dgu = ddg.download();
     y2 = dy2.download();
+    gu_ip = dg.download();
+    dy_ip = dd.download();
 #endif
   }
   const double u = unit_roundoff<S>(), fu = std::is_same_v<S, double> ? 1e-15 : std::ldexp(1.0, -21);
@@ -66,7 +74,14 @@ void run_case(int64_t T, int64_t I, int64_t pad, std::mt19937_64& rng, bool on_g
       ASSERT_NEAR(as_double(dgu[size_t(t * ld + I + j)]), du_ref, (u + 8 * fu) * std::abs(du_ref) + sub)
           << where << " d_up";
     }
-    for (int64_t j = 2 * I; j < ld; ++j) ASSERT_TRUE(std::isnan(as_double(dgu[size_t(t * ld + j)]))) << where << " pad";
+    for (int64_t j = 0; j < 2 * I; ++j)
+      ASSERT_TRUE(bits_equal(gu_ip[size_t(t * ld + j)], dgu[size_t(t * ld + j)])) << where << " in place d_gate_up";
+    for (int64_t j = 0; j < I; ++j)
+      ASSERT_TRUE(bits_equal(dy_ip[size_t(t * ldy + j)], y2[size_t(t * ldy + j)])) << where << " in place y";
+    for (int64_t j = 2 * I; j < ld; ++j) {
+      ASSERT_TRUE(std::isnan(as_double(dgu[size_t(t * ld + j)]))) << where << " pad";
+      ASSERT_TRUE(bits_equal(gu_ip[size_t(t * ld + j)], gu[size_t(t * ld + j)])) << where << " in place pad";
+    }
     for (int64_t j = I; j < ldy; ++j) ASSERT_TRUE(std::isnan(as_double(y[size_t(t * ldy + j)]))) << where << " pad";
   }
 }
@@ -101,10 +116,31 @@ TEST(SwigluCpu, BadInputNamesTheProblem) {
     TensorView inside = host_view(gu.data() + 3, DType::kBFloat16, {4, 3}, {6, 1});
     swiglu(guv, inside, nullptr);
   }, "swiglu: out overlaps gate_up");
+  // in place only as the exact pairs (d_gate_up is gate_up, y is dy)
+  std::vector<bf16> big(40), dyb(12);
+  TensorView dyv = host_view(dyb.data(), DType::kBFloat16, {4, 3});
   expect_error([&] {
-    TensorView none;
-    swiglu_backward(yv, guv, guv, none, nullptr);
+    TensorView shifted = host_view(gu.data() + 2, DType::kBFloat16, {3, 6});
+    TensorView gu3 = host_view(gu.data(), DType::kBFloat16, {3, 6}), none;
+    TensorView dy3 = host_view(dyb.data(), DType::kBFloat16, {3, 3});
+    swiglu_backward(dy3, gu3, shifted, none, nullptr);
   }, "swiglu_backward: d_gate_up overlaps gate_up");
+  expect_error([&] {
+    TensorView y_in_gu = host_view(gu.data() + 3, DType::kBFloat16, {4, 3}, {6, 1});
+    TensorView dv = host_view(big.data(), DType::kBFloat16, {4, 6});
+    swiglu_backward(dyv, guv, dv, y_in_gu, nullptr);
+  }, "swiglu_backward: y overlaps gate_up");
+  expect_error([&] {
+    TensorView y_in_dy = host_view(dyb.data() + 1, DType::kBFloat16, {3, 3});
+    TensorView dy3 = host_view(dyb.data(), DType::kBFloat16, {3, 3});
+    TensorView gu3 = host_view(gu.data(), DType::kBFloat16, {3, 6});
+    TensorView dv = host_view(big.data(), DType::kBFloat16, {3, 6});
+    swiglu_backward(dy3, gu3, dv, y_in_dy, nullptr);
+  }, "swiglu_backward: y overlaps dy");
+  expect_error([&] {
+    TensorView expanded = host_view(big.data(), DType::kBFloat16, {4, 6}, {0, 1}), none;
+    swiglu_backward(dyv, guv, expanded, none, nullptr);
+  }, "swiglu_backward: d_gate_up: row stride 0 is below its 6 columns");
 }
 
 #ifdef MMFUSE_WITH_CUDA

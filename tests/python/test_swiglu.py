@@ -56,10 +56,44 @@ def test_backward_recomputes_the_forward_bits_and_reads_strided_rows(device):
     assert torch.equal(mmfuse.swiglu(gu.contiguous()), y)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_in_place_backward_equals_out_of_place(device, dtype):
+    from mmfuse.swiglu import swiglu_backward, swiglu_backward_
+    g = torch.Generator().manual_seed(5)
+    big = (3 * torch.randn(37, 2 * 300 + 8, generator=g)).to(device, dtype)
+    dbig = torch.randn(37, 300 + 4, generator=g).to(device, dtype)
+    gu, dy = big[:, :600], dbig[:, :300]  # rows with a stride, as slices of a model's buffers
+    want_dgu, want_y = swiglu_backward(dy, gu, True)
+    pads, dpads = big[:, 600:].clone(), dbig[:, 300:].clone()
+    versions = gu._version, dy._version
+    swiglu_backward_(dy, gu)
+    assert torch.equal(gu, want_dgu) and torch.equal(dy, want_y)
+    assert torch.equal(big[:, 600:], pads) and torch.equal(dbig[:, 300:], dpads)  # only the views written
+    assert gu._version > versions[0] and dy._version > versions[1]
+
+
+def test_in_place_backward_refuses_what_it_cannot_write():
+    from mmfuse.swiglu import swiglu_backward_
+    gu = torch.randn(4, 12)
+    with pytest.raises(ValueError, match=r"swiglu_backward: gate_up: the last dim must be contiguous"):
+        swiglu_backward_(torch.randn(4, 6), torch.randn(12, 4).t())
+    with pytest.raises(ValueError, match=r"swiglu_backward: dy: expected shape \[4, 6\]"):
+        swiglu_backward_(torch.randn(4, 5), gu)
+    # a saved tensor changed in place: autograd refuses the stale copy
+    x = torch.randn(4, 12, requires_grad=True)
+    y = (x * 2).sigmoid()
+    with torch.no_grad():
+        swiglu_backward_(torch.randn(4, 6), y[:, :].detach())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def test_opcheck_and_compile():
     gu = torch.randn(10, 24, requires_grad=True)
     torch.library.opcheck(torch.ops.mmfuse.swiglu.default, (gu,))
     torch.library.opcheck(torch.ops.mmfuse.swiglu_backward.default, (torch.randn(10, 12), gu.detach(), True))
+    torch.library.opcheck(torch.ops.mmfuse.swiglu_backward_.default, (torch.randn(10, 12), torch.randn(10, 24)))
     fn = torch.compile(mmfuse.swiglu, fullgraph=True)
     assert torch.equal(fn(gu), mmfuse.swiglu(gu))
 

@@ -38,6 +38,19 @@ def test_matches_the_reference(device, action):
         assert err <= (1e-5 if dtype == torch.float32 else 5e-2), (name, err)
 
 
+def test_experts_backward_in_place_refuses_a_second_backward():
+    # the backward turns the saved gate/up output into its gradient: a retained graph cannot run twice
+    torch.manual_seed(0)
+    e = MoTExperts(8, (16, 4))
+    for p in e.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(6, 8, requires_grad=True)
+    y = e(x, 4)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def test_experts_reject_a_bad_split():
     e = MoTExperts(8, (16, 4))
     with pytest.raises(ValueError, match=r"0 <= m0 <= T, got \(5, 8\) and m0 = 6"):

@@ -7,7 +7,8 @@ attention is SDPA; the second ``rms_norm`` writes its output *grouped* (every sa
 tokens, then every action token), so the two SwiGLU experts (:class:`MoTExperts`: gate/up one dual
 GEMM, SwiGLU, down one dual GEMM) read and write two contiguous blocks with no copy, and the next
 layer's ``rms_norm`` reads that grouped output back into token order. The expert block saves its input
-and the gate/up output only; the SwiGLU output is recomputed in the backward.
+and the gate/up output only; the SwiGLU output is recomputed in the backward, in place: the saved
+gate/up output becomes its own gradient (eager; a second backward through the same graph is refused).
 
 Weights load from the reference model of ``mmfuse-bench train`` (:meth:`VLADecoder.load_reference`).
 """
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from .. import fp8 as _fp8
 from ..rms_norm import rms_norm
 from ..rope import mrope
-from ..swiglu import swiglu, swiglu_backward
+from ..swiglu import swiglu, swiglu_backward, swiglu_backward_
 from .fp8 import Fp8Linear
 
 
@@ -46,9 +47,15 @@ class _MoTExpertsFn(torch.autograd.Function):
         dy0, dy1 = dy[:m0], dy[m0:]
         x0, x1 = x[:m0], x[m0:]
         da0, da1 = torch.ops.mmfuse.dual_gemm(dy0, down0, dy1, down1, False, False, False)
-        dg0, a0 = swiglu_backward(da0, g0, True)
-        dg1, a1 = swiglu_backward(da1, g1, True)
+        if torch.compiler.is_compiling():  # traced: the functional op (a graph would copy the mutation back)
+            (dg0, a0), (dg1, a1) = swiglu_backward(da0, g0, True), swiglu_backward(da1, g1, True)
+        else:  # in place: the saved gate/up outputs become their gradients and da the activations
+            swiglu_backward_(da0, g0)
+            swiglu_backward_(da1, g1)
+            (dg0, a0), (dg1, a1) = (g0, da0), (g1, da1)
+        del da0, da1, g0, g1
         ddown0, ddown1 = torch.ops.mmfuse.dual_gemm(dy0, a0, dy1, a1, True, False, False)
+        del a0, a1
         dx = torch.empty_like(x)
         torch.ops.mmfuse.dual_gemm_out(dg0, gate_up0, dg1, gate_up1, dx[:m0], dx[m0:], False, False, False)
         dgu0, dgu1 = torch.ops.mmfuse.dual_gemm(dg0, x0, dg1, x1, True, False, False)
