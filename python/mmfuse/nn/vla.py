@@ -2,7 +2,8 @@
 the two experts grouped for free.
 
 Per layer: ``rms_norm`` adds the previous expert block's output to the residual stream and normalizes
-in one pass; q, k and v are one GEMM; mRoPE is computed from the 3-D positions (no cos/sin tables);
+in one pass; q, k and v are one GEMM; mRoPE is computed from the 3-D positions (no cos/sin tables),
+in place on that GEMM's output;
 attention is SDPA; the second ``rms_norm`` writes its output *grouped* (every sample's vision-language
 tokens, then every action token), so the two SwiGLU experts (:class:`MoTExperts`: gate/up one dual
 GEMM, SwiGLU, down one dual GEMM) read and write two contiguous blocks with no copy, and the next
@@ -21,7 +22,6 @@ from torch import Tensor, nn
 
 from .. import fp8 as _fp8
 from ..rms_norm import rms_norm
-from ..rope import mrope
 from ..swiglu import swiglu, swiglu_backward, swiglu_backward_
 from .fp8 import Fp8Linear
 
@@ -60,6 +60,31 @@ class _MoTExpertsFn(torch.autograd.Function):
         torch.ops.mmfuse.dual_gemm_out(dg0, gate_up0, dg1, gate_up1, dx[:m0], dx[m0:], False, False, False)
         dgu0, dgu1 = torch.ops.mmfuse.dual_gemm(dg0, x0, dg1, x1, True, False, False)
         return dx, None, dgu0, ddown0, dgu1, ddown1
+
+
+class _RotateQKFn(torch.autograd.Function):
+    """mRoPE from the positions on the q and k heads of the fused q/k/v output ``[B, L, heads + 2 kv, D]``,
+    in place: the attention then saves views of that one buffer, not rotated copies of q and k next to
+    it. The backward writes the adjoint rotation into a new gradient (the incoming one is not ours)."""
+
+    @staticmethod
+    def forward(ctx, qkv, positions, inv_freq, section, heads, kv_heads):
+        q, k = qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads]
+        torch.ops.mmfuse.mrope_(q, k, None, None, positions, inv_freq, section, False, "fp32", False, False)
+        ctx.mark_dirty(qkv)
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.meta = (section, heads, kv_heads)
+        return qkv
+
+    @staticmethod
+    def backward(ctx, g):
+        positions, inv_freq = ctx.saved_tensors
+        section, heads, kv = ctx.meta
+        d = torch.empty_like(g)
+        torch.ops.mmfuse.mrope_out(g[:, :, :heads], g[:, :, heads:heads + kv], None, None, positions, inv_freq,
+                                   section, False, "fp32", True, False, d[:, :, :heads], d[:, :, heads:heads + kv])
+        d[:, :, heads + kv:] = g[:, :, heads + kv:]
+        return d, None, None, None, None, None
 
 
 class MoTExperts(nn.Module):
@@ -150,9 +175,8 @@ class VLADecoderLayer(nn.Module):
             normed, h = rms_norm(y, self.input_layernorm, cfg.eps, residual, grouping=grouping, x_grouped=True)
         d = cfg.head_dim
         qkv = self.qkv(normed).view(B, L, cfg.heads + 2 * cfg.kv_heads, d)
+        qkv = _RotateQKFn.apply(qkv, positions, inv_freq, list(cfg.mrope_section), cfg.heads, cfg.kv_heads)
         q, k, v = qkv.split([cfg.heads, cfg.kv_heads, cfg.kv_heads], dim=2)
-        q, k = mrope(q, k, positions=positions, inv_freq=inv_freq, mrope_section=list(cfg.mrope_section),
-                     qk_layout="blhd")
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                            enable_gqa=True)
         o = self.o_proj(a.transpose(1, 2).reshape(B * L, cfg.heads * d))
