@@ -117,12 +117,12 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
 
 // SwiGLU on the fused [gate | up] layout (python/mmfuse/swiglu.py; include/mmfuse/swiglu.h):
 // swiglu_backward -> (d_gate_up, y recomputed: [0, I] unless recompute); swiglu_backward_ in place:
-// gate_up becomes d_gate_up and dy becomes y.
+// gate_up becomes d_gate_up and (recompute) dy becomes y.
 TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.set_python_module("mmfuse.swiglu");
   m.def("swiglu(Tensor gate_up) -> Tensor");
   m.def("swiglu_backward(Tensor dy, Tensor gate_up, bool recompute=True) -> (Tensor, Tensor)");
-  m.def("swiglu_backward_(Tensor(a!) dy, Tensor(b!) gate_up) -> ()");
+  m.def("swiglu_backward_(Tensor(a!) dy, Tensor(b!) gate_up, bool recompute=True) -> ()");
 }
 
 // Fused linear cross-entropy (python/mmfuse/linear_cross_entropy.py, where its CPU and CUDA

@@ -38,11 +38,11 @@ std::tuple<Tensor, Tensor> swiglu_backward_impl(const Tensor& dy_in, const Tenso
 }
 
 // In place: no contiguous copy to write into (the core refuses a last dim with a stride).
-void swiglu_backward_inplace_impl(const Tensor& dy, const Tensor& gate_up) {
+void swiglu_backward_inplace_impl(const Tensor& dy, const Tensor& gate_up, bool recompute) {
   guarded("swiglu_backward_", [&] {
-    TensorView dv = view(gate_up, "gate_up"), yv = view(dy, "dy");
+    TensorView dv = view(gate_up, "gate_up"), dyv = view(dy, "dy"), yv = recompute ? dyv : TensorView{};
     c10::OptionalDeviceGuard g(gate_up.device());
-    swiglu_backward(yv, dv, dv, yv, current_stream(gate_up));
+    swiglu_backward(dyv, dv, dv, yv, current_stream(gate_up));
   });
 }
 

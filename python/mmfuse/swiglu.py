@@ -32,15 +32,16 @@ def swiglu_backward(dy: Tensor, gate_up: Tensor, recompute: bool = True) -> Tupl
     return torch.ops.mmfuse.swiglu_backward(dy, gate_up, recompute)
 
 
-def swiglu_backward_(dy: Tensor, gate_up: Tensor) -> None:
-    """In-place :func:`swiglu_backward` with the activation recomputed: ``gate_up`` becomes
-    ``d_gate_up`` and ``dy`` becomes ``y``, so a backward that owns both (an autograd function's saved
-    gate/up output and the gradient it computed) needs no new ``[T, 2I]`` and ``[T, I]`` buffers. Both
-    2-D with a contiguous last dim; not differentiable; their version counters move, so that autograd
-    refuses a stale saved copy of either."""
-    torch.ops.mmfuse.swiglu_backward_(dy, gate_up)
-    torch.autograd.graph.increment_version(dy)
+def swiglu_backward_(dy: Tensor, gate_up: Tensor, recompute: bool = True) -> None:
+    """In-place :func:`swiglu_backward`: ``gate_up`` becomes ``d_gate_up`` and (``recompute``) ``dy``
+    becomes ``y``, so a backward that owns both (an autograd function's saved gate/up output and the
+    gradient it computed) needs no new ``[T, 2I]`` or ``[T, I]`` buffer. Both 2-D with a contiguous
+    last dim; not differentiable; their version counters move, so that autograd refuses a stale saved
+    copy of either."""
+    torch.ops.mmfuse.swiglu_backward_(dy, gate_up, recompute)
     torch.autograd.graph.increment_version(gate_up)
+    if recompute:
+        torch.autograd.graph.increment_version(dy)
 
 
 @torch.library.register_fake("mmfuse::swiglu")
@@ -55,7 +56,7 @@ def _swiglu_backward_fake(dy, gate_up, recompute=True):
 
 
 @torch.library.register_fake("mmfuse::swiglu_backward_")
-def _swiglu_backward_inplace_fake(dy, gate_up):
+def _swiglu_backward_inplace_fake(dy, gate_up, recompute=True):
     return None
 
 

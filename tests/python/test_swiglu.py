@@ -71,6 +71,10 @@ def test_in_place_backward_equals_out_of_place(device, dtype):
     assert torch.equal(gu, want_dgu) and torch.equal(dy, want_y)
     assert torch.equal(big[:, 600:], pads) and torch.equal(dbig[:, 300:], dpads)  # only the views written
     assert gu._version > versions[0] and dy._version > versions[1]
+    gu2, dy2 = gu.clone(), dy.clone()  # without the activation: dy is left as it was
+    want_dgu2, _ = swiglu_backward(dy2, gu2, False)
+    swiglu_backward_(dy2, gu2, False)
+    assert torch.equal(gu2, want_dgu2) and torch.equal(dy2, dy)
 
 
 def test_in_place_backward_refuses_what_it_cannot_write():
@@ -93,7 +97,9 @@ def test_opcheck_and_compile():
     gu = torch.randn(10, 24, requires_grad=True)
     torch.library.opcheck(torch.ops.mmfuse.swiglu.default, (gu,))
     torch.library.opcheck(torch.ops.mmfuse.swiglu_backward.default, (torch.randn(10, 12), gu.detach(), True))
-    torch.library.opcheck(torch.ops.mmfuse.swiglu_backward_.default, (torch.randn(10, 12), torch.randn(10, 24)))
+    for recompute in (True, False):
+        torch.library.opcheck(torch.ops.mmfuse.swiglu_backward_.default,
+                              (torch.randn(10, 12), torch.randn(10, 24), recompute))
     fn = torch.compile(mmfuse.swiglu, fullgraph=True)
     assert torch.equal(fn(gu), mmfuse.swiglu(gu))
 
