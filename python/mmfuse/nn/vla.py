@@ -87,6 +87,43 @@ class _RotateQKFn(torch.autograd.Function):
         return d, None, None, None, None, None
 
 
+class _Fp8ExpertFn(torch.autograd.Function):
+    """One SwiGLU expert in fp8, x [M, H] -> y [M, H]: gate/up and down through mmfuse's fp8 linear ops
+    (e4m3 operands, delayed scaling), saving x's and the activation's fp8 copies and the gate/up
+    output; the backward turns that saved output into its own gradient in place (swiglu_backward_)."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up, down, states, grad_e5m2):
+        gu_x, gu_w, gu_g, dn_x, dn_w, dn_g = states
+        g, x_qt, x_si, _, gu_qt, gu_si, _ = torch.ops.mmfuse.fp8_linear_forward(
+            x, gate_up, None, gu_x, gu_w, None, None, None, False, True, True, False)
+        a = torch.ops.mmfuse.swiglu(g)
+        y, a_qt, a_si, _, dn_qt, dn_si, _ = torch.ops.mmfuse.fp8_linear_forward(
+            a, down, None, dn_x, dn_w, None, None, None, False, True, True, False)
+        ctx.save_for_backward(x_qt, x_si, gu_qt, gu_si, g, a_qt, a_si, dn_qt, dn_si, gu_g, dn_g)
+        ctx.grad_e5m2, ctx.k = grad_e5m2, (x.shape[1], a.shape[1])
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_qt, x_si, gu_qt, gu_si, g, a_qt, a_si, dn_qt, dn_si, gu_g, dn_g = ctx.saved_tensors
+        need_dx, need_dgu, need_ddn = ctx.needs_input_grad[:3]
+        H, inter = ctx.k
+        e5m2 = ctx.grad_e5m2
+        da, ddown, _ = torch.ops.mmfuse.fp8_linear_backward(
+            dy.to(torch.bfloat16), a_qt, a_si, dn_qt, dn_si, dn_g, inter, False, e5m2, True, need_ddn, False, False,
+            None, None, False)
+        if torch.compiler.is_compiling():  # traced: the functional op (a graph would copy the mutation back)
+            dg, _ = swiglu_backward(da, g, False)
+        else:
+            swiglu_backward_(da, g, False)
+            dg = g
+        del da
+        dx, dgu, _ = torch.ops.mmfuse.fp8_linear_backward(
+            dg, x_qt, x_si, gu_qt, gu_si, gu_g, H, False, e5m2, need_dx, need_dgu, False, False, None, None, False)
+        return (dx if need_dx else None, dgu if need_dgu else None, ddown if need_ddn else None, None, None)
+
+
 class MoTExperts(nn.Module):
     """Two SwiGLU experts over one grouped token block: rows ``[0, m0)`` go through expert 0 (hidden ->
     inter0 -> hidden), the rest through expert 1. Weights in ``nn.Linear`` layout, gate and up stacked:
@@ -119,11 +156,6 @@ class MoTExperts(nn.Module):
             return []
         return [getattr(self, f"{p}_{t}_state") for p in ("gate_up0", "down0", "gate_up1", "down1") for t in "xg"]
 
-    def _fp8_linear(self, x: Tensor, proj: str) -> Tensor:
-        return _fp8.fp8_linear(x, getattr(self, proj), x_state=getattr(self, f"{proj}_x_state"),
-                               w_state=getattr(self, f"{proj}_w_state"), g_state=getattr(self, f"{proj}_g_state"),
-                               scaling="delayed", grad_dtype=self.grad_dtype)
-
     def _uses_fp8(self, x: Tensor, rows: int, e: int) -> bool:
         if not self.fp8:
             return False
@@ -140,7 +172,9 @@ class MoTExperts(nn.Module):
         outs = []
         for e, part in enumerate((x[:m0], x[m0:])):
             if fp8[e]:
-                outs.append(self._fp8_linear(swiglu(self._fp8_linear(part, f"gate_up{e}")), f"down{e}"))
+                states = tuple(getattr(self, f"{p}{e}_{t}_state") for p in ("gate_up", "down") for t in "xwg")
+                outs.append(_Fp8ExpertFn.apply(part, getattr(self, f"gate_up{e}"), getattr(self, f"down{e}"), states,
+                                               self.grad_dtype == _fp8.E5M2))
             else:
                 gu, dn = getattr(self, f"gate_up{e}"), getattr(self, f"down{e}")
                 outs.append(F.linear(swiglu(F.linear(part, gu)), dn))
