@@ -1,11 +1,11 @@
 """mmfuse-bench: the benchmark CLI (the main job).
 
-    mmfuse-bench [rope] [positions] [moe] [gemm] [fp8] [rms_norm] [swiglu] [linear_cross_entropy] [train]
-                 [model] [--quick] [--json FILE]
+    mmfuse-bench [rope] [positions] [moe] [gemm] [fp8] [rms_norm] [swiglu] [linear_cross_entropy] [seed]
+                 [train] [model] [--quick] [--json FILE]
                  [train and model options]
     mmfuse-bench report [--results DIR] [--out FILE] [--readme FILE]
 
-`train` is the training step of a VLA decoder stack, PyTorch against mmfuse (train.py); `model` that of
+`seed` times the seed-compatible functions against the native API (seed.py); `train` is the training step of a VLA decoder stack, PyTorch against mmfuse (train.py); `model` that of
 a whole transformers Qwen2.5-VL, unpatched against patch_qwen2_5_vl (model.py). On a GPU
 each op family measures the copy (or GEMM) ceiling and each op against the best alternative in
 the same run, prints its tables and, with --json, writes the results (GPU, driver, versions, commit
@@ -24,7 +24,8 @@ import subprocess
 import sys
 import time
 
-_FAMILIES = ["rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu", "linear_cross_entropy", "train", "model"]
+_FAMILIES = ["rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu", "linear_cross_entropy", "seed", "train",
+             "model"]
 
 
 def _commit() -> str:
@@ -82,7 +83,7 @@ def _run(args) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from . import fp8, gemm, linear_cross_entropy, moe, positions, rms_norm, rope, swiglu, train
+    from . import fp8, gemm, linear_cross_entropy, moe, positions, rms_norm, rope, seed, swiglu, train
 
     def run_model(dev, quick):
         from . import model
@@ -101,7 +102,7 @@ def _run(args) -> int:
 
     runners = {"rope": rope.run, "positions": positions.run, "moe": moe.run, "gemm": gemm.run, "fp8": fp8.run,
                "rms_norm": rms_norm.run, "swiglu": swiglu.run, "linear_cross_entropy": linear_cross_entropy.run,
-               "train": run_train, "model": run_model}
+               "seed": seed.run, "train": run_train, "model": run_model}
     header = _header(device)
     print(f"mmfuse-bench on {header['device']} (torch {header['torch']}, CUDA {header['cuda']}, "
           f"commit {header['commit']})", flush=True)

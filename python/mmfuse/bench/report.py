@@ -7,7 +7,8 @@ import json
 import os
 from typing import Callable, Dict, List, Optional, Tuple
 
-_FAMILIES = ("train", "model", "rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu", "linear_cross_entropy")
+_FAMILIES = ("train", "model", "rope", "positions", "moe", "gemm", "fp8", "rms_norm", "swiglu", "linear_cross_entropy",
+             "seed")
 
 
 def _f(v, fmt: str = "{:.1f}") -> str:
@@ -131,6 +132,17 @@ def _lce(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
     return header, rows, ("linear cross-entropy: peak extra memory of forward + backward", "GiB", bars)
 
 
+def _seed(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
+    header = ["case", "µs", "speedup", "verified"]
+    rows, bars = [], []
+    for r in res.get("rows", []):
+        sp = r["baseline_us"] / r["us"] if r.get("baseline_us") else None
+        rows.append([r["name"], _f(r["us"]), f"{sp:.2f}x {r.get('baseline', '')}" if sp else "", r.get("verified", "")])
+        if sp:
+            bars.append((r["name"], sp))
+    return header, rows, ("seed API: the alternative's time / the seed call's", "speedup", bars)
+
+
 _VIEWS: Dict[str, Callable[[dict], Tuple[List[str], List[List[str]], Plot]]] = {
     "rope": lambda res: _bandwidth("rope", res),
     "moe": lambda res: _bandwidth("moe", res),
@@ -142,6 +154,7 @@ _VIEWS: Dict[str, Callable[[dict], Tuple[List[str], List[List[str]], Plot]]] = {
     "train": _train,
     "model": _model,
     "linear_cross_entropy": _lce,
+    "seed": _seed,
 }
 
 
@@ -228,6 +241,9 @@ def _summary_line(fam: str, res: dict) -> Optional[str]:
                 vc = f", {r['vs_compiled']:.2f}x PyTorch compiled" if r.get("vs_compiled") else ""
                 parts.append(f"{v} {r['vs_eager']:.2f}x PyTorch eager{vc}, {r['mem_vs_eager']:.2f}x its peak memory")
         return "; ".join(parts) or None
+    if fam == "seed":
+        sp = [r["baseline_us"] / r["us"] for r in res.get("rows", []) if r.get("baseline_us") and "seed" in r["name"]]
+        return f"seed calls at {rng(sp, '{:.2f}')}x their native or plain alternative" if sp else None
     if fam == "model":
         parts = []
         for r in rows:
