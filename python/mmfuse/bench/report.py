@@ -108,6 +108,10 @@ def _train(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
             rows.append([label, _f(res[key], "{:.2f}"), "", "", "", "", "1.00", "", "", ""])
             bars.append((label.split(":")[0], res[key]))
     _variant_rows(res, "x_bound", "{:.2f}", rows, bars)
+    eb = res.get("expert_block")
+    if eb:  # one layer's experts alone, forward + backward
+        rows.append([f"one layer's expert block: bf16 {eb['bf16_ms']:.2f} ms, fp8 {eb['fp8_ms']:.2f} ms",
+                     _f(eb["fp8_ms"], "{:.2f}"), "", "", "", "", "", "", f"fp8 / bf16 {eb['fp8_share']:.2f}", ""])
     title = (f"train: ms a step, preset {c.get('preset')} ({c.get('layers')} layers), batch {c.get('batch')} x "
              f"{c.get('seq')}, {c.get('action')} action tokens a sample")
     return header, rows, (title, "ms / step", bars)

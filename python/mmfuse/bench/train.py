@@ -164,6 +164,29 @@ def _bound_us(cfg: VLAConfig, batch: Batch, device, iters: int, fp8: bool = Fals
     return us * cfg.layers
 
 
+def _expert_block_ms(cfg: VLAConfig, batch: Batch, device, iters: int) -> dict:
+    """One layer's expert block alone (MoTExperts, forward + backward) at the step's shapes, bf16 (one
+    dual GEMM a projection) and fp8 (the vision-language expert through _Fp8ExpertFn, the action expert
+    bf16 where fp8 does not pay): the issue's fp8 / bf16 time share of the experts."""
+    from ..nn.vla import MoTExperts
+
+    B, L = batch.shape
+    T, m0 = B * L, B * (L - batch.action)
+    g = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(T, cfg.hidden, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    dy = torch.randn(T, cfg.hidden, device=device, dtype=torch.bfloat16, generator=g)
+    out = {}
+    for name, fp8 in (("bf16", False), ("fp8", True)):
+        e = MoTExperts(cfg.hidden, (cfg.inter_vl, cfg.inter_action), fp8=fp8, device=device, dtype=torch.bfloat16)
+        for p in e.parameters():
+            torch.nn.init.normal_(p, std=cfg.hidden ** -0.5)
+
+        def step(e=e):
+            torch.autograd.backward(e(x, m0), dy)
+        out[name] = time_us(step, device, warmup=3, iters=iters)[0] / 1e3
+    return dict(bf16_ms=out["bf16"], fp8_ms=out["fp8"], fp8_share=out["fp8"] / out["bf16"])
+
+
 def _peak_extra_bytes(v: _Variant, target, device) -> int:
     for p in v.model.parameters():
         p.grad = None
@@ -216,7 +239,7 @@ def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, b
                          loss_last=losses[-1], loss_rel=abs(losses[-1] - ref_losses[-1]) / abs(ref_losses[-1]),
                          agreement_s=time.perf_counter() - t0))
         print(f"  {v.name}: agreement checked ({rows[-1]['agreement_s']:.0f} s)", flush=True)
-    bound = bound8 = None
+    bound = bound8 = experts = None
     if on_gpu:
         it = dict(iters=5 if quick else 20)
         bound = _bound_us(cfg, data, device, it["iters"]) / 1e3
@@ -227,9 +250,13 @@ def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, b
                        x_bound=ms / (bound8 if "fp8" in v.name else bound))
             print(f"  {v.name}: timed", flush=True)
         add_step_ratios(rows, "PyTorch eager", "PyTorch compiled")
+        experts = _expert_block_ms(cfg, data, device, it["iters"]) if fp8 else None
         first = [(label, b, B * L / (b * 1e-3), 1.0) for label, b in (("bound (GEMMs + attn)", bound),
                                                                       ("bound, fp8 GEMMs", bound8)) if b is not None]
         print_step_table(rows, steps, ("x bound", "x_bound", "{:.2f}"), first)
+        if experts:
+            print(f"\nexpert block of one layer, forward + backward: bf16 {experts['bf16_ms']:.2f} ms, fp8 "
+                  f"{experts['fp8_ms']:.2f} ms ({experts['fp8_share']:.2f} of bf16)")
     else:
         for r in rows:
             print(f"  {r['variant']:<18} gradient error (worst group) {r['grad_err']:.1e}; loss after {steps} steps "
@@ -243,7 +270,8 @@ def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, b
     ok = verify_step_rows(rows, failed, tolerances)
     return dict(config=dict(preset=preset_name, layers=cfg.layers, batch=B, seq=L, action=action, steps=steps, lr=lr,
                             dtype=str(dtype), fp8=fp8, fp8_grad=fp8_grad),
-                bound_ms=bound, bound_fp8_ms=bound8 if on_gpu else None, rows=rows, all_verified=ok)
+                bound_ms=bound, bound_fp8_ms=bound8 if on_gpu else None, expert_block=experts,
+                rows=rows, all_verified=ok)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
