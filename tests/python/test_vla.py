@@ -38,6 +38,24 @@ def test_matches_the_reference(device, action):
         assert err <= (1e-5 if dtype == torch.float32 else 5e-2), (name, err)
 
 
+def test_compiled_model_matches_eager():
+    # the in-place pieces (mRoPE on the q/k/v output, the expert backward) under torch.compile
+    cfg = preset("tiny")
+    batch = make_batch(cfg, 2, 40, 5, "cpu", torch.float32, seed=4)
+    ours = VLADecoder(cfg, device="cpu", dtype=torch.float32)
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    grads = []
+    for fn in (ours, torch.compile(ours)):
+        for p in ours.parameters():
+            p.grad = None
+        out = fn(batch.embeds, batch.positions, 5)
+        out.square().sum().backward()
+        grads.append([out.detach()] + [p.grad.clone() for p in ours.parameters()])
+    for want, got in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_experts_backward_in_place_refuses_a_second_backward():
     # the backward turns the saved gate/up output into its gradient: a retained graph cannot run twice
     torch.manual_seed(0)
