@@ -11,7 +11,8 @@ agreement with PyTorch eager: the largest relative gradient error of a parameter
 step, and the loss after ``--steps`` AdamW steps from the same weights on the same batch.
 
 ``--fp8`` adds the mmfuse model with fp8 projections and experts (against its own bound: its fp8 GEMMs
-as ``torch._scaled_mm`` of pre-quantized operands).
+as ``torch._scaled_mm`` of pre-quantized operands), and, where torchao is installed, the reference
+compiled with torchao's float8 training on the same layers.
 
 On the CPU: the ``tiny`` preset in fp32, eager only, agreement only (CPU timings say nothing about
 the GPU)."""
@@ -76,7 +77,27 @@ def _variants(cfg: VLAConfig, batch: Batch, device, dtype, compiled: bool, fp8: 
             ours8_c = torch.compile(ours8)
             out.append(_Variant("mmfuse compiled fp8", ours8,
                                 lambda: ours8_c(batch.embeds, batch.positions, batch.action), ours8.reference_grads))
+        peer = _torchao_fp8(cfg, ref, device, dtype) if compiled else None
+        if peer is not None:
+            peer_c = torch.compile(peer)
+            out.append(_Variant("torchao fp8 compiled", peer,
+                                lambda: peer_c(batch.embeds, batch.positions, idx_vl, idx_act), lambda: ref_grads(peer)))
     return out
+
+
+def _torchao_fp8(cfg: VLAConfig, ref: torch.nn.Module, device, dtype) -> Optional[torch.nn.Module]:
+    """The reference with torchao's float8 training (tensorwise dynamic scaling) on the layers the mmfuse
+    fp8 model runs in fp8 (q/k/v, o, the vision-language expert): the peer a user has, optional (None
+    when torchao is not installed)."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        return None
+    peer = VLAReference(cfg).to(device, dtype)
+    peer.load_state_dict(ref.state_dict())
+    keys = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.vl.")
+    convert_to_float8_training(peer, module_filter_fn=lambda mod, fqn: any(k in fqn for k in keys))
+    return peer
 
 
 def _group(name: str) -> str:
