@@ -48,13 +48,20 @@ void check_job(const char* op, const Fp8QuantJob& j, Device dev) {
   const DType in = j.src.dtype;
   MMFUSE_CHECK(in == DType::kBFloat16 || in == DType::kFloat16 || in == DType::kFloat32, op,
                ": x: expected dtype bfloat16, float16 or float32, got ", dtype_name(in));
-  const int64_t r = j.src.shape[0], c = j.src.shape[1];
-  if (r > 0 && c > 0) {
-    MMFUSE_CHECK(c <= 1 || j.src.stride[1] == 1, op, ": x: the last dim must be contiguous, got strides [",
+  const int64_t r = j.src.shape[0], sc = j.src.shape[1];
+  if (r > 0 && sc > 0) {
+    MMFUSE_CHECK(sc <= 1 || j.src.stride[1] == 1, op, ": x: the last dim must be contiguous, got strides [",
                  j.src.stride[0], ", ", j.src.stride[1], "]");
-    MMFUSE_CHECK(r <= 1 || j.src.stride[0] >= c, op, ": x: row stride ", j.src.stride[0], " is below its ", c,
+    MMFUSE_CHECK(r <= 1 || j.src.stride[0] >= sc, op, ": x: row stride ", j.src.stride[0], " is below its ", sc,
                  " columns");
   }
+  if (j.swiglu) {
+    MMFUSE_CHECK(sc % 2 == 0, op, ": x: swiglu: expected the [gate | up] layout (an even number of columns), got ",
+                 shape_str(j.src));
+    MMFUSE_CHECK(!j.per_row, op, ": swiglu: per tensor scaling only (per_row=True is not supported)");
+    MMFUSE_CHECK(!j.col_sums.defined(), op, ": swiglu: col_sums is not supported");
+  }
+  const int64_t c = j.swiglu ? sc / 2 : sc;  // the quantized tensor's columns
   MMFUSE_CHECK(j.q.defined() || j.qt.defined(), op, ": expected q, qt or both to write, got neither");
   DType fmt = DType::kFloat32;
   struct Out {

@@ -25,10 +25,11 @@ struct Quantized {
   const Tensor& qt_scale_inv() const { return scale_inv_t.numel() ? scale_inv_t : scale_inv; }
 };
 
-// Fills a core job for x [R, C] with the outputs it asks for (allocated here).
+// Fills a core job for x [R, C] (swiglu: the source [R, 2C] of swiglu(x) [R, C]) with the outputs it
+// asks for (allocated here).
 Fp8QuantJob make_job(const Tensor& x, Tensor& state, bool rowwise, bool transposed, bool e5m2, bool dynamic,
-                     bool per_row, Quantized& out) {
-  const int64_t r = x.dim() == 2 ? x.size(0) : 0, c = x.dim() == 2 ? x.size(1) : 0;
+                     bool per_row, Quantized& out, bool swiglu = false) {
+  const int64_t r = x.dim() == 2 ? x.size(0) : 0, c = x.dim() == 2 ? x.size(1) / (swiglu ? 2 : 1) : 0;
   const int64_t rp = fp8_padded(r), cp = fp8_padded(c);
   const auto opts = x.options().dtype(fp8_type(e5m2));
   const auto f32 = x.options().dtype(at::kFloat);
@@ -43,6 +44,7 @@ Fp8QuantJob make_job(const Tensor& x, Tensor& state, bool rowwise, bool transpos
   j.scale_inv = view(out.scale_inv, "scale_inv");
   j.dynamic = dynamic;
   j.per_row = per_row;
+  j.swiglu = swiglu;
   if (per_row) {
     out.scratch = at::zeros({rp + cp}, f32);
     j.scratch = view(out.scratch, "scratch");
@@ -130,20 +132,27 @@ void fp8_gemm_out_impl(const Tensor& a, const Tensor& b, const Tensor& scale_a, 
 // y = x @ w^T + bias with x [M, K] quantized (dynamic or delayed: `dynamic`, or per row; q for the
 // GEMM, qt and its scales kept for dW when save_xt) and w quantized too (dynamic) unless its cached
 // copies are given; x and w share one amax launch and one cast launch (per row: and one memset of the
-// maxima).
+// maxima). swiglu_x: x is the [gate | up] source [M, 2K] and the layer's input is swiglu(x), quantized
+// straight from it (the SwiGLU output is never written: the down projection of a SwiGLU MLP).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fp8_linear_forward_impl(
     const Tensor& x_in, const Tensor& w_in, const OptTensor& bias, Tensor& x_state, Tensor& w_state,
     const OptTensor& w_q, const OptTensor& w_qt, const OptTensor& w_scale_inv, bool dynamic, bool save_xt,
-    bool save_wt, bool per_row) {
+    bool save_wt, bool per_row, bool swiglu_x) {
   const Tensor x = kernel_ready(x_in);
   const bool cached = w_q.has_value();
+  if (x.dim() == 2 && w_in.dim() == 2) {
+    const int64_t k = swiglu_x ? x.size(1) / 2 : x.size(1);
+    TORCH_CHECK_VALUE(w_in.size(1) == k && (!swiglu_x || x.size(1) % 2 == 0), "mmfuse.fp8_linear_forward: w: expected ",
+                      swiglu_x ? "half of x's columns (swiglu_x: x is [M, 2K])" : "x's columns", " as in_features (",
+                      swiglu_x ? "x " : "", x.sizes(), "), got w ", w_in.sizes());
+  }
   TORCH_CHECK_VALUE(!cached || (w_scale_inv.has_value() && (!save_wt || w_qt.has_value())),
                     "mmfuse.fp8_linear_forward: w_q given: expected w_scale_inv",
                     save_wt ? " and w_qt (save_wt=True)" : "", " with it");
   Quantized xq, wq;
   guarded("fp8_linear_forward", [&] {
     Fp8QuantJob jobs[2];
-    jobs[0] = make_job(x, x_state, true, save_xt, false, dynamic || per_row, per_row, xq);
+    jobs[0] = make_job(x, x_state, true, save_xt, false, dynamic || per_row, per_row, xq, swiglu_x);
     int n = 1;
     if (!cached) jobs[n++] = make_job(kernel_ready(w_in), w_state, true, save_wt, false, true, per_row, wq);  // dynamic
     c10::OptionalDeviceGuard g(x.device());

@@ -83,7 +83,8 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
 // else empty), empty where not asked for. fp8_gemm: (a @ b^T) * scale_a * scale_b (+ bias), a [M, K16],
 // b [N16, K16] fp8, scales both [1] or per row -> [M, N16] bf16 (or fp32); fp8_gemm_out: into out
 // [m, n], m <= M, n <= N16. fp8_linear_forward: (y, x_qt, x_qt_scale_inv, w_q, w_qt, w_q_scale_inv,
-// w_qt_scale_inv (per row only)), the w outputs empty when w's cached copies are given.
+// w_qt_scale_inv (per row only)), the w outputs empty when w's cached copies are given; swiglu_x: x
+// is [M, 2K] gate | up and the layer's input is swiglu(x) (per tensor only).
 // fp8_linear_backward (k: in_features; x_scale_inv, w_scale_inv: the scales of x_qt, w_qt): (dx, dw,
 // db), empty where not needed (dw also when accumulated into main_grad).
 TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
@@ -96,7 +97,8 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
         "bool fast_accum=False) -> ()");
   m.def("fp8_linear_forward(Tensor x, Tensor w, Tensor? bias, Tensor(a!) x_state, Tensor(b!) w_state, "
         "Tensor? w_q=None, Tensor? w_qt=None, Tensor? w_scale_inv=None, bool dynamic=True, bool save_xt=True, "
-        "bool save_wt=True, bool per_row=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "bool save_wt=True, bool per_row=False, bool swiglu_x=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+        "Tensor)");
   m.def("fp8_linear_backward(Tensor g, Tensor x_qt, Tensor x_scale_inv, Tensor w_qt, Tensor w_scale_inv, "
         "Tensor(a!) g_state, SymInt k, bool dynamic=True, bool e5m2=True, bool need_dx=True, bool need_dw=True, "
         "bool need_db=False, bool dw_fp32=False, Tensor(b!)? main_grad=None, Tensor? x=None, bool per_row=False) "

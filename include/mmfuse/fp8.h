@@ -23,6 +23,10 @@
 // dynamic (no history), the amax pass writing row and column maxima into a caller's zeroed scratch
 // [pad(R) + pad(C)]. The GEMM then takes vector scales (per row of a and of b).
 // Up to two tensors (e.g. x and w) quantize in one launch (and one amax launch).
+// SwiGLU source (swiglu, per tensor only): src is the fused [gate | up] layout [R, 2C] and the tensor
+// quantized is swiglu(src) [R, C], each value the swiglu op's own (silu(gate) * up in fp32, rounded
+// once to src's dtype), so the copies equal those of quantizing the swiglu op's output, without that
+// output ever being written.
 //
 // GEMM: out [M, N] (+)= (a [M, K] @ b [N, K]^T) * scale_a * scale_b (+ bias [N]), the scales both
 // float32 [1] (per tensor) or both vectors, scale_a[i] per row of a (>= M entries) and scale_b[j] per
@@ -49,7 +53,7 @@ inline int64_t fp8_padded(int64_t n) { return (n + kFp8Align - 1) / kFp8Align * 
 MMFUSE_API float fp8_max(DType fp8);  // 448 (e4m3) or 57344 (e5m2)
 
 struct Fp8QuantJob {
-  TensorView src;        // [R, C] bf16, fp16 or fp32, contiguous last dim
+  TensorView src;        // [R, C] (swiglu: [R, 2C]) bf16, fp16 or fp32, contiguous last dim
   TensorView q;          // optional: [fp8_padded(R), fp8_padded(C)] fp8 (e4m3 / e5m2), contiguous
   TensorView qt;         // optional: [fp8_padded(C), fp8_padded(R)] fp8 of the same format, contiguous
   TensorView scale_inv;    // float32 out, 1 / scale: [1], or per_row [fp8_padded(R)] (the scales of q)
@@ -63,6 +67,7 @@ struct Fp8QuantJob {
   TensorView partials;
   bool dynamic = true;
   bool per_row = false;
+  bool swiglu = false;  // src is [R, 2C] gate | up; the values quantized are swiglu(src) [R, C]
 };
 
 MMFUSE_API int64_t fp8_col_sum_partials(int64_t rows, int64_t cols);

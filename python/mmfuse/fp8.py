@@ -367,8 +367,9 @@ def _fp8_gemm_out_fake(a, b, scale_a, scale_b, out, accumulate=False, fast_accum
 
 @torch.library.register_fake("mmfuse::fp8_linear_forward")
 def _fp8_linear_forward_fake(x, w, bias, x_state, w_state, w_q=None, w_qt=None, w_scale_inv=None, dynamic=True,
-                             save_xt=True, save_wt=True, per_row=False):
+                             save_xt=True, save_wt=True, per_row=False, swiglu_x=False):
     (m, k), n = x.shape, w.shape[0]
+    k = k // 2 if swiglu_x else k
     f32 = torch.float32
     y = _strided_out(x, m, n, torch.bfloat16)
     x_qt = x.new_empty((_pad16(k), _pad16(m)) if save_xt else (0,), dtype=E4M3)

@@ -9,19 +9,23 @@
 #include "common/dispatch.h"
 #include "common/parallel.h"
 #include "backends/fp8.h"
+#include "backends/swiglu.h"
 #include "mmfuse/fp8.h"
 
 namespace mmfuse {
 namespace detail {
 
 void fp8_quantize_cpu(const Fp8QuantJob& j) {
-  const int64_t r = j.src.shape[0], c = j.src.shape[1];
+  const int64_t r = j.src.shape[0], c = j.swiglu ? j.src.shape[1] / 2 : j.src.shape[1];
   const DType fmt = j.q.defined() ? j.q.dtype : j.qt.dtype;
   const bool e4m3 = fmt == DType::kFloat8E4M3;
   dispatch_floating(j.src.dtype, "fp8_quantize: x", [&](auto tag) {
     using S = typename decltype(tag)::type;
     const S* x = static_cast<const S*>(j.src.data);
-    auto at = [&](int64_t i, int64_t k) { return float(load_val(x[i * j.src.stride[0] + k])); };
+    auto at = [&](int64_t i, int64_t k) {
+      const S* row = x + i * j.src.stride[0];
+      return float(load_val(j.swiglu ? swiglu_value_cpu<S>(row[k], row[c + k]) : row[k]));
+    };
     const float fmax = fp8_max(fmt);
     auto scale_of = [&](float amax) { return fmax / std::fmax(amax, kFp8AmaxEps); };
     // the scale of each row of q and of each row of qt (all the same per tensor)

@@ -12,16 +12,11 @@ void swiglu_cpu(const TensorView& gate_up, TensorView& out) {
   const int64_t T = gate_up.shape[0], I = gate_up.shape[1] / 2;
   dispatch_floating(gate_up.dtype, "swiglu: gate_up", [&](auto tag) {
     using S = typename decltype(tag)::type;
-    using C = typename compute_type<S>::type;
     parallel_for(T, 64, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const S* gu = static_cast<const S*>(gate_up.data) + t * gate_up.stride[0];
         S* y = static_cast<S*>(out.data) + t * out.stride[0];
-        for (int64_t j = 0; j < I; ++j) {
-          const C g = load_val(gu[j]), u = load_val(gu[I + j]);
-          const C sig = C(1) / (C(1) + std::exp(-g));
-          y[j] = store_val<S>(g * sig * u);
-        }
+        for (int64_t j = 0; j < I; ++j) y[j] = swiglu_value_cpu<S>(gu[j], gu[I + j]);
       }
     });
   });

@@ -7,6 +7,7 @@
 #include "common/dispatch.h"
 #include "cuda/device_util.cuh"
 #include "cuda/numerics.cuh"
+#include "cuda/swiglu_value.cuh"
 
 namespace mmfuse {
 namespace detail {
@@ -18,7 +19,7 @@ using cuda::Vec;
 constexpr int kThreads = 256;
 constexpr int64_t kMaxRowBlocks = 65535;  // grid.y; rows beyond it are walked
 
-__device__ __forceinline__ float sigmoid(float g) { return __fdiv_rn(1.0f, cuda::add_rn(1.0f, expf(-g))); }
+using cuda::sigmoid;
 
 template <class S, int VEC>
 __global__ void __launch_bounds__(kThreads) swiglu_kernel(const char* __restrict__ gu, int64_t gus, char* __restrict__ y,
@@ -31,10 +32,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_kernel(const char* __restrict
     const W g = row[c], u = row[V + c];
     W o;
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const float gv = cuda::dload(g.v[e]);
-      o.v[e] = cuda::dstore<S>(cuda::mul_rn(cuda::mul_rn(gv, sigmoid(gv)), cuda::dload(u.v[e])));
-    }
+    for (int e = 0; e < VEC; ++e) o.v[e] = cuda::swiglu_value(g.v[e], u.v[e]);
     reinterpret_cast<W*>(y + t * ys)[c] = o;
   }
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "mmfuse/fp8.h"
+#include "mmfuse/swiglu.h"
 #include "test_util.h"
 
 using namespace mmfuse;
@@ -92,16 +93,18 @@ void run_quantize(Fp8QuantJob& j, bool cuda) {
 #endif
 }
 
-// Quantizes host x [r, c] (row stride ld) on the CPU or through the GPU; state in/out.
+// Quantizes host x [r, c] (row stride ld; swiglu: the source [r, 2c] of swiglu(x)) on the CPU or
+// through the GPU; state in/out.
 template <class S>
 void quantize(const std::vector<S>& x, int64_t r, int64_t c, int64_t ld, DType fmt, bool want_q, bool want_qt,
-              bool dynamic, Quant& out, bool cuda) {
+              bool dynamic, Quant& out, bool cuda, bool swiglu = false) {
   const int64_t cp = fp8_padded(c), rp = fp8_padded(r);
   out.q.assign(want_q ? size_t(rp * cp) : 0, 0xAB);  // poisoned
   out.qt.assign(want_qt ? size_t(cp * rp) : 0, 0xAB);
   Fp8QuantJob j;
-  std::vector<int64_t> xs = {r, c}, xst = {ld, 1};
+  std::vector<int64_t> xs = {r, swiglu ? 2 * c : c}, xst = {ld, 1};
   j.src = host_view(const_cast<S*>(x.data()), dtype_of<S>(), xs, xst);
+  j.swiglu = swiglu;
   if (want_q) j.q = host_view(out.q.data(), fmt, {rp, cp});
   if (want_qt) j.qt = host_view(out.qt.data(), fmt, {cp, rp});
   j.scale_inv = host_view(&out.scale_inv, DType::kFloat32, {1});
@@ -512,6 +515,76 @@ TEST(Fp8Errors, NameTheArgument) {
   expect_error([&] { fp8_gemm(av, bv, s0, s1, bias, ov, o, none, nullptr); }, "bias: only with a bfloat16 out");
 }
 
+// The swiglu source against the swiglu op's output quantized as a plain tensor: q, qt, scale_inv and
+// the state bitwise (on the CPU, or both on the GPU), for odd sizes, padded rows, each dtype, both
+// formats, dynamic and delayed, fresh and used states.
+template <class S>
+void check_swiglu_source(int64_t r, int64_t c, int64_t pad, DType fmt, bool dynamic, bool fresh, bool cuda) {
+  SCOPED_TRACE(testing::Message() << "r=" << r << " c=" << c << " pad=" << pad << " fmt=" << dtype_name(fmt)
+                                  << " dynamic=" << dynamic << " fresh=" << fresh << " cuda=" << cuda);
+  std::mt19937_64 rng(test_seed() + uint64_t(r * 131 + c * 7 + pad));
+  const int64_t ld = 2 * c + pad;
+  std::vector<S> gu = random_vec<S>(size_t(std::max<int64_t>(1, r * ld)), rng, -6.0, 6.0);
+  std::vector<S> y(size_t(std::max<int64_t>(1, r * c)));
+  poison(y);
+  TensorView guv = host_view(gu.data(), dtype_of<S>(), {r, 2 * c}, {ld, 1});
+  if (!cuda) {
+    TensorView yv = host_view(y.data(), dtype_of<S>(), {r, c});
+    swiglu(guv, yv, nullptr);
+  } else {
+#ifdef MMFUSE_WITH_CUDA
+    DeviceBuffer<S> dg(gu), dy(y);
+    Stream st;
+    TensorView yv = device_view(dy.ptr, dtype_of<S>(), {r, c});
+    swiglu(device_view(dg.ptr, dtype_of<S>(), {r, 2 * c}, {ld, 1}), yv, st.s);
+    ASSERT_EQ(cudaStreamSynchronize(st.s), cudaSuccess);
+    y = dy.download();
+#endif
+  }
+  Quant plain, fused;
+  plain.state = fused.state = fresh ? std::vector<float>(5, 0.0f) : std::vector<float>{3.0f, 9.0f, 0.5f, 0.0f, 0.0f};
+  quantize(y, r, c, c, fmt, true, true, dynamic, plain, cuda);
+  quantize(gu, r, c, ld, fmt, true, true, dynamic, fused, cuda, true);
+  EXPECT_TRUE(bits_equal(plain.scale_inv, fused.scale_inv)) << plain.scale_inv << " vs " << fused.scale_inv;
+  for (size_t i = 0; i < plain.state.size(); ++i)
+    EXPECT_TRUE(bits_equal(plain.state[i], fused.state[i])) << "state " << i;
+  EXPECT_EQ(plain.q, fused.q);
+  EXPECT_EQ(plain.qt, fused.qt);
+}
+
+void swiglu_source_cases(bool cuda) {
+  for (DType fmt : {DType::kFloat8E4M3, DType::kFloat8E5M2})
+    for (bool dynamic : {true, false})
+      for (bool fresh : {true, false})
+        for (auto [r, c] : {std::pair<int64_t, int64_t>{1, 1}, {5, 7}, {64, 64}, {130, 200}, {257, 72}, {0, 16},
+                            {9, 0}}) {
+          check_swiglu_source<bf16>(r, c, 0, fmt, dynamic, fresh, cuda);
+          check_swiglu_source<bf16>(r, c, 8, fmt, dynamic, fresh, cuda);
+          check_swiglu_source<f16>(r, c, 3, fmt, dynamic, fresh, cuda);
+          check_swiglu_source<float>(r, c, 0, fmt, dynamic, fresh, cuda);
+        }
+}
+
+TEST(Fp8QuantizeCpu, SwigluSourceEqualsTheSwigluOutputQuantized) { swiglu_source_cases(false); }
+
+TEST(Fp8Errors, SwigluSourceNamesTheProblem) {
+  std::vector<bf16> x(4 * 9);
+  std::vector<uint8_t> q(16 * 16);
+  std::vector<float> st(3), si(1), rows(16), scratch(32);
+  Fp8QuantJob j;
+  j.src = host_view(x.data(), DType::kBFloat16, {4, 9});
+  j.q = host_view(q.data(), DType::kFloat8E4M3, {16, 16});
+  j.scale_inv = host_view(si.data(), DType::kFloat32, {1});
+  j.state = host_view(st.data(), DType::kFloat32, {3});
+  j.swiglu = true;
+  expect_error([&] { fp8_quantize(&j, 1, nullptr); }, "x: swiglu: expected the [gate | up] layout (an even number");
+  j.src = host_view(x.data(), DType::kBFloat16, {4, 8});
+  j.per_row = true;
+  j.scale_inv = host_view(rows.data(), DType::kFloat32, {16});
+  j.scratch = host_view(scratch.data(), DType::kFloat32, {32});
+  expect_error([&] { fp8_quantize(&j, 1, nullptr); }, "swiglu: per tensor scaling only");
+}
+
 #ifdef MMFUSE_WITH_CUDA
 // CUDA against CPU: q, qt, scale_inv and the state bitwise, for odd and aligned shapes, each source
 // dtype, both formats, dynamic and delayed, strided rows.
@@ -547,6 +620,12 @@ TEST(Fp8QuantizeCuda, BitwiseEqualToCpu) {
   for (bool dynamic : {true, false})  // a fresh state: delayed scaling runs the amax pass first
     for (auto [r, c] : {std::pair<int64_t, int64_t>{5, 7}, {300, 136}, {0, 16}})
       check_cuda_quantize<bf16>(r, c, c, DType::kFloat8E4M3, dynamic, true, true, true);
+}
+
+TEST(Fp8QuantizeCuda, SwigluSourceEqualsTheSwigluOutputQuantized) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  swiglu_source_cases(true);
+  check_swiglu_source<bf16>(4096, 1000, 0, DType::kFloat8E4M3, false, false, true);  // many blocks
 }
 
 TEST(Fp8QuantizeCuda, NonFiniteBitwiseEqualToCpu) {

@@ -24,6 +24,7 @@
 
 #include "common/cuda_check.h"
 #include "cuda/device_util.cuh"
+#include "cuda/swiglu_value.cuh"
 #include "backends/fp8.h"
 #include "mmfuse/fp8.h"
 
@@ -55,6 +56,7 @@ struct Job {
   int64_t prows, pcols;  // pad(rows), pad(cols): the rows of q and of qt
   int first_block, blocks;
   bool e4m3, dynamic, vec, per_row;
+  bool swiglu;  // src is [rows, 2 cols] gate | up: the values are swiglu(gate, up) (swiglu_value)
 };
 
 struct Jobs {
@@ -77,8 +79,15 @@ __device__ __forceinline__ int col16(int tc, int e) {
   return (tc / 16 + 4 * (e / V)) * V + e % V;
 }
 
+// The value of x at a loaded gate (and up) element: x itself, or the swiglu source's value.
+template <class S, bool kSwiglu>
+__device__ __forceinline__ float src_value(S g, S u) {
+  if constexpr (kSwiglu) return to_f(cuda::swiglu_value(g, u));
+  else return to_f(g);
+}
+
 // The thread's 16 values of row i of the tile at column c0 (zero outside the tensor).
-template <class S>
+template <class S, bool kSwiglu>
 __device__ __forceinline__ void load16(const Job& jb, int64_t i, int64_t c0, int tc, float (&v)[16]) {
 #pragma unroll
   for (int e = 0; e < 16; ++e) v[e] = 0.0f;
@@ -92,15 +101,20 @@ __device__ __forceinline__ void load16(const Job& jb, int64_t i, int64_t c0, int
       const int c = col16<S>(tc, e);
       if (c < left) {
         const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + c));
+        uint4 raw_up = raw;
+        if constexpr (kSwiglu) raw_up = __ldg(reinterpret_cast<const uint4*>(row + jb.cols + c));
         const S* s = reinterpret_cast<const S*>(&raw);
+        const S* su = reinterpret_cast<const S*>(&raw_up);
 #pragma unroll
-        for (int u = 0; u < V; ++u) v[e + u] = to_f(s[u]);
+        for (int u = 0; u < V; ++u) v[e + u] = src_value<S, kSwiglu>(s[u], su[u]);
       }
     }
   } else {
 #pragma unroll
-    for (int e = 0; e < 16; ++e)
-      if (col16<S>(tc, e) < left) v[e] = to_f(row[col16<S>(tc, e)]);
+    for (int e = 0; e < 16; ++e) {
+      const int c = col16<S>(tc, e);
+      if (c < left) v[e] = src_value<S, kSwiglu>(row[c], kSwiglu ? row[jb.cols + c] : row[c]);
+    }
   }
 }
 
@@ -119,18 +133,18 @@ __device__ __forceinline__ void store_words(uint8_t* row, int64_t left, int tc, 
 }
 
 // The thread's 16 values of tile t.
-template <class S>
+template <class S, bool kSwiglu>
 __device__ __forceinline__ void load_tile(const Job& jb, int64_t t, int tr, int tc, float (&v)[16]) {
-  load16<S>(jb, (t / jb.tiles_c) * kTile + tr, (t % jb.tiles_c) * kTile, tc, v);
+  load16<S, kSwiglu>(jb, (t / jb.tiles_c) * kTile + tr, (t % jb.tiles_c) * kTile, tc, v);
 }
 
 // Calls body(t, v) for the block's tiles t of jb in order, v = the thread's 16 values of tile t (zero
 // outside x). Called by the whole block (body may synchronise it: every thread walks the same tiles).
-template <class S, class Body>
+template <class S, bool kSwiglu = false, class Body>
 __device__ __forceinline__ void for_each_tile(const Job& jb, int tr, int tc, Body&& body) {
   float v[16];
   for (int64_t t = int(blockIdx.x) - jb.first_block; t < jb.tiles; t += jb.blocks) {
-    load_tile<S>(jb, t, tr, tc, v);
+    load_tile<S, kSwiglu>(jb, t, tr, tc, v);
     body(t, v);
   }
 }
@@ -213,7 +227,7 @@ __device__ __forceinline__ const Job& my_job(const Jobs& jobs) {
   return jobs.n > 1 && int(blockIdx.x) >= jobs.j[1].first_block ? jobs.j[1] : jobs.j[0];
 }
 
-template <class S>
+template <class S, bool kSwiglu>
 __global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const __grid_constant__ Jobs jobs) {
   __shared__ float red[kThreads / 32];
   const Job& jb = my_job(jobs);
@@ -224,7 +238,7 @@ __global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const __grid_constan
   }
   const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16;
   float amax = 0.0f;
-  for_each_tile<S>(jb, tr, tc, [&](int64_t, const float(&v)[16]) {
+  for_each_tile<S, kSwiglu>(jb, tr, tc, [&](int64_t, const float(&v)[16]) {
 #pragma unroll
     for (int e = 0; e < 16; ++e) amax = fmaxf(amax, finite_abs(v[e]));
   });
@@ -293,25 +307,32 @@ constexpr int kCastTile = 128, kCastWords = kCastTile / 4;
 // registers), 2 with the column sums (whose extra registers then cost occupancy); fp32 half that.
 template <bool kColSums>
 constexpr int kCastAheadBytes = kColSums ? 64 : 128;
+// Passes loaded ahead: as many as the raw bytes allow (a swiglu source loads gate and up), 1 to 4.
+template <class S, bool kColSums, bool kSwiglu>
+constexpr int cast_ahead() {
+  constexpr int fit = kCastAheadBytes<kColSums> / (16 * int(sizeof(S)) * (kSwiglu ? 2 : 1));
+  return fit < 1 ? 1 : fit > 4 ? 4 : fit;
+}
 
 template <class S>
 struct alignas(16) Raw16 {  // one thread's 16 values of a pass, as loaded
   S s[16];
 };
 
+// off: the column of src where x's column 0 is (the up half of a swiglu source: cols).
 template <class S>
-__device__ __forceinline__ void load_pass(const Job& jb, int64_t i, int64_t cc, Raw16<S>& raw) {
+__device__ __forceinline__ void load_pass(const Job& jb, int64_t i, int64_t cc, Raw16<S>& raw, int64_t off = 0) {
   constexpr int V = 16 / int(sizeof(S));
   if (jb.vec) {  // cols, ld and the base are multiples of V values: a 16-byte run is in or out
 #pragma unroll
     for (int e = 0; e < 16; e += V) {
       uint4 u = make_uint4(0u, 0u, 0u, 0u);
       if (i < jb.rows && cc + e < jb.cols) u = __ldg(reinterpret_cast<const uint4*>(static_cast<const S*>(jb.src) +
-                                                                                      i * jb.ld + cc + e));
+                                                                                      i * jb.ld + off + cc + e));
       *reinterpret_cast<uint4*>(&raw.s[e]) = u;
     }
   } else {
-    const S* row = static_cast<const S*>(jb.src) + i * jb.ld;
+    const S* row = static_cast<const S*>(jb.src) + i * jb.ld + off;
 #pragma unroll
     for (int e = 0; e < 16; e += V) *reinterpret_cast<uint4*>(&raw.s[e]) = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
@@ -346,9 +367,9 @@ __device__ __forceinline__ void half_partials(const Job& jb, float (&s)[16], int
   }
 }
 
-template <class S, bool kColSums>
+template <class S, bool kColSums, bool kSwiglu>
 __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constant__ Jobs jobs) {
-  constexpr int kFit = kCastAheadBytes<kColSums> / (16 * int(sizeof(S))), kAhead = kFit < 1 ? 1 : kFit > 4 ? 4 : kFit;
+  constexpr int kAhead = cast_ahead<S, kColSums, kSwiglu>();
   __shared__ __align__(16) uint32_t tile[kCastTile * kCastWords];
   __shared__ float red[kThreads / 32];
   __shared__ float sums[kColSums ? kThreads / 32 : 1][kCastTile];
@@ -367,15 +388,21 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constan
     float s[16];
 #pragma unroll
     for (int p0 = 0; p0 < 4; p0 += kAhead) {
-      Raw16<S> raw[kAhead];
+      Raw16<S> raw[kAhead], raw_up[kSwiglu ? kAhead : 1];
 #pragma unroll
-      for (int a = 0; a < kAhead; ++a) load_pass<S>(jb, r0 + 32 * (p0 + a) + lr, cc, raw[a]);
+      for (int a = 0; a < kAhead; ++a) {
+        load_pass<S>(jb, r0 + 32 * (p0 + a) + lr, cc, raw[a]);
+        if constexpr (kSwiglu) load_pass<S>(jb, r0 + 32 * (p0 + a) + lr, cc, raw_up[a], jb.cols);
+      }
 #pragma unroll
       for (int a = 0; a < kAhead; ++a) {
         const int p = p0 + a, r = 32 * p + lr;
         float v[16];
 #pragma unroll
-        for (int e = 0; e < 16; ++e) v[e] = to_f(raw[a].s[e]);
+        for (int e = 0; e < 16; ++e) {
+          if constexpr (kSwiglu) v[e] = src_value<S, true>(raw[a].s[e], raw_up[a].s[e]);
+          else v[e] = to_f(raw[a].s[e]);
+        }
         uint32_t w[4];
         pack_fp8(v, [&](int) { return scale; }, fmt, w);
         if (!jb.dynamic) {
@@ -531,7 +558,8 @@ Job make_job(const Fp8QuantJob& in, bool for_cast) {
   Job j{};
   j.src = in.src.data;
   j.rows = in.src.shape[0];
-  j.cols = in.src.shape[1];
+  j.swiglu = in.swiglu;
+  j.cols = in.swiglu ? in.src.shape[1] / 2 : in.src.shape[1];
   j.ld = j.rows > 1 ? in.src.stride[0] : j.cols;
   j.q = in.q.defined() ? in.q.ptr<uint8_t>() : nullptr;
   j.ldq = in.q.defined() ? in.q.shape[1] : 0;
@@ -602,14 +630,17 @@ void launch(const Fp8QuantJob* in, const int* idx, int n, bool amax_pass, cudaSt
   const unsigned blocks = assign_blocks(jobs, amax_pass);
   dispatch_src(in[idx[0]].src.dtype, [&](auto tag) {
     using S = decltype(tag);
-    const bool rows = in[idx[0]].per_row;  // the same for the jobs of one launch
+    // the same for the jobs of one launch: per row, swiglu (neither with the other nor with sums: checked)
+    const bool rows = in[idx[0]].per_row, sw = in[idx[0]].swiglu;
     const bool sums = !amax_pass && jobs.j[0].col_sums != nullptr;  // a single job then (checked)
     if (amax_pass && rows) run<fp8_amax_rows_kernel<S>>("fp8_amax_rows_kernel", blocks, jobs, stream);
-    else if (amax_pass) run<fp8_amax_kernel<S>>("fp8_amax_kernel", blocks, jobs, stream);
+    else if (amax_pass && sw) run<fp8_amax_kernel<S, true>>("fp8_amax_kernel", blocks, jobs, stream);
+    else if (amax_pass) run<fp8_amax_kernel<S, false>>("fp8_amax_kernel", blocks, jobs, stream);
     else if (rows && sums) run<fp8_cast_rows_kernel<S, true>>("fp8_cast_rows_kernel", blocks, jobs, stream);
     else if (rows) run<fp8_cast_rows_kernel<S, false>>("fp8_cast_rows_kernel", blocks, jobs, stream);
-    else if (sums) run<fp8_cast_kernel<S, true>>("fp8_cast_kernel", blocks, jobs, stream);
-    else run<fp8_cast_kernel<S, false>>("fp8_cast_kernel", blocks, jobs, stream);
+    else if (sums) run<fp8_cast_kernel<S, true, false>>("fp8_cast_kernel", blocks, jobs, stream);
+    else if (sw) run<fp8_cast_kernel<S, false, true>>("fp8_cast_kernel", blocks, jobs, stream);
+    else run<fp8_cast_kernel<S, false, false>>("fp8_cast_kernel", blocks, jobs, stream);
     if (sums && jobs.j[0].cols > 0) {
       const Job& j = jobs.j[0];
       const unsigned grid = unsigned(cdiv(j.cols, kSumCols));
@@ -622,9 +653,10 @@ void launch(const Fp8QuantJob* in, const int* idx, int n, bool amax_pass, cudaSt
 
 void fp8_quantize_cuda(Fp8QuantJob* jobs, int n, cudaStream_t stream) {
   // the amax pass (a delayed job's blocks return at once unless its history is fresh), then the cast;
-  // both tensors in one launch each (a mix of dtypes or of recipes launches separately)
+  // both tensors in one launch each (a mix of dtypes, recipes or sources launches separately)
   const int all[2] = {0, 1};
-  const bool same = n == 1 || (jobs[0].src.dtype == jobs[1].src.dtype && jobs[0].per_row == jobs[1].per_row);
+  const bool same = n == 1 || (jobs[0].src.dtype == jobs[1].src.dtype && jobs[0].per_row == jobs[1].per_row &&
+                               jobs[0].swiglu == jobs[1].swiglu);
   if (same) {
     launch(jobs, all, n, true, stream);
   } else {
