@@ -69,6 +69,44 @@ def test_experts_backward_in_place_refuses_a_second_backward():
         y.sum().backward()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_expert_equals_the_fp8_linear_composition(device):
+    """An fp8 expert (_Fp8ExpertFn: the activation quantized from the gate/up output, the backward in
+    place) gives the bits of fp8_linear -> swiglu -> fp8_linear with the same delayed states: outputs,
+    input and weight gradients and every state, over three steps (the delayed scales then in use)."""
+    from mmfuse import fp8
+    from mmfuse.swiglu import swiglu
+
+    M, H, inter = (37, 48, 80) if device == "cpu" else (4099, 1024, 2752)  # GPU: fp8 pays, odd rows
+    g = torch.Generator().manual_seed(5)
+    e = MoTExperts(H, (inter, 16), fp8=True, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in e.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * H ** -0.5)
+    gu, dn = e.gate_up0.detach().clone().requires_grad_(), e.down0.detach().clone().requires_grad_()
+    states = {k: fp8.new_state(v.numel() - 2, device) for k, v in e.named_buffers()
+              if k.endswith("_state") and "0_" in k}  # expert 0's (every row goes there)
+    for step in range(3):
+        x = torch.randn(M, H, generator=g).to(device, torch.bfloat16).requires_grad_()
+        x2 = x.detach().clone().requires_grad_()
+        dy = torch.randn(M, H, generator=g).to(device, torch.bfloat16)
+        e.zero_grad()
+        y = e(x, M)  # every row expert 0's
+        y.backward(dy)
+        gu.grad = dn.grad = None
+        kw = dict(scaling="delayed")
+        a = swiglu(fp8.fp8_linear(x2, gu, x_state=states["gate_up0_x_state"], w_state=states["gate_up0_w_state"],
+                                  g_state=states["gate_up0_g_state"], **kw))
+        want = fp8.fp8_linear(a, dn, x_state=states["down0_x_state"], w_state=states["down0_w_state"],
+                              g_state=states["down0_g_state"], **kw)
+        want.backward(dy)
+        assert torch.equal(y, want), step
+        assert torch.equal(x.grad, x2.grad), step
+        assert torch.equal(e.gate_up0.grad, gu.grad) and torch.equal(e.down0.grad, dn.grad), step
+        for k, v in states.items():
+            assert torch.equal(getattr(e, k), v), (step, k)
+
+
 def test_experts_reject_a_bad_split():
     e = MoTExperts(8, (16, 4))
     with pytest.raises(ValueError, match=r"0 <= m0 <= T, got \(5, 8\) and m0 = 6"):

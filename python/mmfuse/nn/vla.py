@@ -89,19 +89,20 @@ class _RotateQKFn(torch.autograd.Function):
 
 class _Fp8ExpertFn(torch.autograd.Function):
     """One SwiGLU expert in fp8, x [M, H] -> y [M, H]: gate/up and down through mmfuse's fp8 linear ops
-    (e4m3 operands, delayed scaling), saving x's and the activation's fp8 copies and the gate/up
-    output; the backward turns that saved output into its own gradient in place (swiglu_backward_)."""
+    (e4m3 operands, delayed scaling), the SwiGLU activation quantized straight from the gate/up output
+    (``swiglu_x``: it is never written in bf16), saving x's and the activation's fp8 copies and the
+    gate/up output; the backward turns that saved output into its own gradient in place
+    (swiglu_backward_)."""
 
     @staticmethod
     def forward(ctx, x, gate_up, down, states, grad_e5m2):
         gu_x, gu_w, gu_g, dn_x, dn_w, dn_g = states
         g, x_qt, x_si, _, gu_qt, gu_si, _ = torch.ops.mmfuse.fp8_linear_forward(
             x, gate_up, None, gu_x, gu_w, None, None, None, False, True, True, False)
-        a = torch.ops.mmfuse.swiglu(g)
         y, a_qt, a_si, _, dn_qt, dn_si, _ = torch.ops.mmfuse.fp8_linear_forward(
-            a, down, None, dn_x, dn_w, None, None, None, False, True, True, False)
+            g, down, None, dn_x, dn_w, None, None, None, False, True, True, False, True)
         ctx.save_for_backward(x_qt, x_si, gu_qt, gu_si, g, a_qt, a_si, dn_qt, dn_si, gu_g, dn_g)
-        ctx.grad_e5m2, ctx.k = grad_e5m2, (x.shape[1], a.shape[1])
+        ctx.grad_e5m2, ctx.k = grad_e5m2, (x.shape[1], down.shape[1])
         return y
 
     @staticmethod
