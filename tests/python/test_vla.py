@@ -77,7 +77,7 @@ def test_fp8_expert_equals_the_fp8_linear_composition(device):
     from mmfuse import fp8
     from mmfuse.swiglu import swiglu
 
-    M, H, inter = (37, 48, 80) if device == "cpu" else (4099, 1024, 2752)  # GPU: fp8 pays, odd rows
+    M, H, inter = (37, 48, 80) if device == "cpu" else (4099, 2048, 5504)  # GPU: where fp8 pays, odd rows
     g = torch.Generator().manual_seed(5)
     e = MoTExperts(H, (inter, 16), fp8=True, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -105,6 +105,21 @@ def test_fp8_expert_equals_the_fp8_linear_composition(device):
         assert torch.equal(e.gate_up0.grad, gu.grad) and torch.equal(e.down0.grad, dn.grad), step
         for k, v in states.items():
             assert torch.equal(getattr(e, k), v), (step, k)
+
+
+def test_fp8_scaling_dynamic_and_bad_values():
+    cfg = preset("tiny")
+    batch = make_batch(cfg, 2, 24, 4, "cpu", torch.bfloat16, seed=2)
+    ref = VLAReference(cfg)
+    init_weights(ref, seed=1)
+    m = VLADecoder(cfg, fp8=True, fp8_scaling="dynamic", dtype=torch.bfloat16)
+    m.load_reference(ref.to(torch.bfloat16).state_dict())
+    assert all(layer.experts.scaling == "dynamic" and layer.qkv.scaling == "dynamic" for layer in m.layers)
+    assert not [s for mod in m.modules() if hasattr(mod, "fp8_delayed_states") for s in mod.fp8_delayed_states()]
+    m(batch.embeds, batch.positions, batch.action).float().square().mean().backward()
+    assert all(torch.isfinite(g).all() for g in m.reference_grads().values())
+    with pytest.raises(ValueError, match="MoTExperts: scaling: expected 'dynamic' or 'delayed', got 'current'"):
+        MoTExperts(8, (16, 4), fp8=True, scaling="current")
 
 
 def test_experts_reject_a_bad_split():

@@ -98,7 +98,8 @@ def _run(args) -> int:
                                   seq=args.seq, action=args.action)
         return train.run(dev, preset_name=args.preset, layers=args.layers, batch=args.batch, seq=args.seq,
                          action=args.action, steps=args.steps, lr=args.lr, fp8=args.fp8,
-                         compile=not args.no_compile, quick=quick, fp8_grad=args.fp8_grad)
+                         compile=not args.no_compile, quick=quick, fp8_grad=args.fp8_grad,
+                         fp8_scaling=args.fp8_scaling)
 
     runners = {"rope": rope.run, "positions": positions.run, "moe": moe.run, "gemm": gemm.run, "fp8": fp8.run,
                "rms_norm": rms_norm.run, "swiglu": swiglu.run, "linear_cross_entropy": linear_cross_entropy.run,

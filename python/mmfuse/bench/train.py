@@ -48,7 +48,7 @@ class _Variant:
 
 
 def _variants(cfg: VLAConfig, batch: Batch, device, dtype, compiled: bool, fp8: bool,
-              fp8_grad=torch.float8_e5m2) -> List[_Variant]:
+              fp8_grad=torch.float8_e5m2, fp8_scaling: str = "delayed") -> List[_Variant]:
     ref = VLAReference(cfg)
     init_weights(ref, seed=0)
     ref = ref.to(device, dtype)
@@ -69,7 +69,7 @@ def _variants(cfg: VLAConfig, batch: Batch, device, dtype, compiled: bool, fp8: 
         out.append(_Variant("mmfuse compiled", ours, lambda: ours_c(batch.embeds, batch.positions, batch.action),
                             ours.reference_grads))
     if fp8:
-        ours8 = VLADecoder(cfg, fp8=True, fp8_grad_dtype=fp8_grad, device=device, dtype=dtype)
+        ours8 = VLADecoder(cfg, fp8=True, fp8_grad_dtype=fp8_grad, fp8_scaling=fp8_scaling, device=device, dtype=dtype)
         ours8.load_reference(ref.state_dict())
         out.append(_Variant("mmfuse eager fp8", ours8, lambda: ours8(batch.embeds, batch.positions, batch.action),
                             ours8.reference_grads))
@@ -221,7 +221,7 @@ def _peak_extra_bytes(v: _Variant, target, device) -> int:
 
 def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, batch: int = 4, seq: int = 4096,
         action: int = 256, steps: int = 50, lr: float = 1e-4, fp8: bool = False, compile: bool = True,
-        quick: bool = False, fp8_grad: str = "e5m2") -> dict:
+        quick: bool = False, fp8_grad: str = "e5m2", fp8_scaling: str = "delayed") -> dict:
     on_gpu = device == "cuda"
     if not on_gpu:
         preset_name, batch, seq, action, steps = "tiny", 2, 48, 12, min(steps, 5)
@@ -233,7 +233,8 @@ def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, b
           f"{cfg.kv_heads} heads, experts {cfg.inter_vl} / {cfg.inter_action}), batch {B} x {L}, {action} action "
           f"tokens a sample, {str(dtype).replace('torch.', '')}", flush=True)
     grad_dtype = {"e5m2": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}[fp8_grad]
-    variants = _variants(cfg, data, device, dtype, compiled=on_gpu and compile, fp8=fp8 and on_gpu, fp8_grad=grad_dtype)
+    variants = _variants(cfg, data, device, dtype, compiled=on_gpu and compile, fp8=fp8 and on_gpu, fp8_grad=grad_dtype,
+                         fp8_scaling=fp8_scaling)
     # agreement first, from the initial weights: gradients, then the losses of a short training run
     first = variants[0]
     first.step(data.target)
@@ -290,7 +291,7 @@ def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, b
 
     ok = verify_step_rows(rows, failed, tolerances)
     return dict(config=dict(preset=preset_name, layers=cfg.layers, batch=B, seq=L, action=action, steps=steps, lr=lr,
-                            dtype=str(dtype), fp8=fp8, fp8_grad=fp8_grad),
+                            dtype=str(dtype), fp8=fp8, fp8_grad=fp8_grad, fp8_scaling=fp8_scaling),
                 bound_ms=bound, bound_fp8_ms=bound8 if on_gpu else None, expert_block=experts,
                 rows=rows, all_verified=ok)
 
@@ -306,6 +307,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true", help="eager variants only")
     p.add_argument("--fp8-grad", choices=("e5m2", "e4m3"), default="e5m2",
                    help="the fp8 model's output-gradient format (default e5m2)")
+    p.add_argument("--fp8-scaling", choices=("delayed", "dynamic"), default="delayed",
+                   help="the fp8 model's activation and gradient scaling (default delayed)")
     p.add_argument("--fp8", action="store_true",
                    help="also the mmfuse model with its projections and experts in fp8 where it pays (GPU)")
     p.add_argument("--nproc", type=int, default=1,

@@ -95,14 +95,14 @@ class _Fp8ExpertFn(torch.autograd.Function):
     (swiglu_backward_)."""
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, states, grad_e5m2):
+    def forward(ctx, x, gate_up, down, states, grad_e5m2, dynamic):
         gu_x, gu_w, gu_g, dn_x, dn_w, dn_g = states
         g, x_qt, x_si, _, gu_qt, gu_si, _ = torch.ops.mmfuse.fp8_linear_forward(
-            x, gate_up, None, gu_x, gu_w, None, None, None, False, True, True, False)
+            x, gate_up, None, gu_x, gu_w, None, None, None, dynamic, True, True, False)
         y, a_qt, a_si, _, dn_qt, dn_si, _ = torch.ops.mmfuse.fp8_linear_forward(
-            g, down, None, dn_x, dn_w, None, None, None, False, True, True, False, True)
+            g, down, None, dn_x, dn_w, None, None, None, dynamic, True, True, False, True)
         ctx.save_for_backward(x_qt, x_si, gu_qt, gu_si, g, a_qt, a_si, dn_qt, dn_si, gu_g, dn_g)
-        ctx.grad_e5m2, ctx.k = grad_e5m2, (x.shape[1], down.shape[1])
+        ctx.grad_e5m2, ctx.dynamic, ctx.k = grad_e5m2, dynamic, (x.shape[1], down.shape[1])
         return y
 
     @staticmethod
@@ -110,9 +110,9 @@ class _Fp8ExpertFn(torch.autograd.Function):
         x_qt, x_si, gu_qt, gu_si, g, a_qt, a_si, dn_qt, dn_si, gu_g, dn_g = ctx.saved_tensors
         need_dx, need_dgu, need_ddn = ctx.needs_input_grad[:3]
         H, inter = ctx.k
-        e5m2 = ctx.grad_e5m2
+        e5m2, dynamic = ctx.grad_e5m2, ctx.dynamic
         da, ddown, _ = torch.ops.mmfuse.fp8_linear_backward(
-            dy.to(torch.bfloat16), a_qt, a_si, dn_qt, dn_si, dn_g, inter, False, e5m2, True, need_ddn, False, False,
+            dy.to(torch.bfloat16), a_qt, a_si, dn_qt, dn_si, dn_g, inter, dynamic, e5m2, True, need_ddn, False, False,
             None, None, False)
         if torch.compiler.is_compiling():  # traced: the functional op (a graph would copy the mutation back)
             dg, _ = swiglu_backward(da, g, False)
@@ -121,8 +121,8 @@ class _Fp8ExpertFn(torch.autograd.Function):
             dg = g
         del da
         dx, dgu, _ = torch.ops.mmfuse.fp8_linear_backward(
-            dg, x_qt, x_si, gu_qt, gu_si, gu_g, H, False, e5m2, need_dx, need_dgu, False, False, None, None, False)
-        return (dx if need_dx else None, dgu if need_dgu else None, ddown if need_ddn else None, None, None)
+            dg, x_qt, x_si, gu_qt, gu_si, gu_g, H, dynamic, e5m2, need_dx, need_dgu, False, False, None, None, False)
+        return (dx if need_dx else None, dgu if need_dgu else None, ddown if need_ddn else None, None, None, None)
 
 
 class MoTExperts(nn.Module):
@@ -132,14 +132,19 @@ class MoTExperts(nn.Module):
 
     With ``fp8=True`` an expert whose gate/up GEMM is big enough for fp8 to pay (:func:`mmfuse.fp8.fp8_pays`;
     always on the CPU, which emulates fp8) runs both its projections through :func:`mmfuse.fp8_linear`
-    (e4m3 operands, e5m2 gradients or ``grad_dtype``, delayed scaling, fp8 copies saved for the backward); the other
+    (e4m3 operands, e5m2 gradients or ``grad_dtype``, delayed or dynamic ``scaling``, fp8 copies saved for the
+    backward); the other
     stays bf16. The states are buffers (``fp8_delayed_states`` lists them for
     :func:`mmfuse.nn.reduce_amax_histories`)."""
 
     def __init__(self, hidden: int, intermediate_sizes: Sequence[int], *, fp8: bool = False,
-                 history: int = _fp8.DEFAULT_HISTORY, grad_dtype: torch.dtype = _fp8.E5M2, device=None, dtype=None):
+                 history: int = _fp8.DEFAULT_HISTORY, grad_dtype: torch.dtype = _fp8.E5M2, scaling: str = "delayed",
+                 device=None, dtype=None):
         super().__init__()
+        if scaling not in ("dynamic", "delayed"):
+            raise ValueError(f"MoTExperts: scaling: expected 'dynamic' or 'delayed', got {scaling!r}")
         self.grad_dtype = grad_dtype
+        self.scaling = scaling
         kw = dict(device=device, dtype=dtype)
         i0, i1 = intermediate_sizes
         self.gate_up0 = nn.Parameter(torch.empty(2 * i0, hidden, **kw))
@@ -153,7 +158,7 @@ class MoTExperts(nn.Module):
                     self.register_buffer(f"{proj}_{t}_state", _fp8.new_state(hist, device), persistent=False)
 
     def fp8_delayed_states(self) -> List[Tensor]:
-        if not self.fp8:
+        if not self.fp8 or self.scaling == "dynamic":
             return []
         return [getattr(self, f"{p}_{t}_state") for p in ("gate_up0", "down0", "gate_up1", "down1") for t in "xg"]
 
@@ -175,7 +180,7 @@ class MoTExperts(nn.Module):
             if fp8[e]:
                 states = tuple(getattr(self, f"{p}{e}_{t}_state") for p in ("gate_up", "down") for t in "xwg")
                 outs.append(_Fp8ExpertFn.apply(part, getattr(self, f"gate_up{e}"), getattr(self, f"down{e}"), states,
-                                               self.grad_dtype == _fp8.E5M2))
+                                               self.grad_dtype == _fp8.E5M2, self.scaling == "dynamic"))
             else:
                 gu, dn = getattr(self, f"gate_up{e}"), getattr(self, f"down{e}")
                 outs.append(F.linear(swiglu(F.linear(part, gu)), dn))
@@ -183,7 +188,8 @@ class MoTExperts(nn.Module):
 
 
 class VLADecoderLayer(nn.Module):
-    def __init__(self, cfg, *, fp8: bool = False, fp8_grad_dtype: torch.dtype = _fp8.E5M2, device=None, dtype=None):
+    def __init__(self, cfg, *, fp8: bool = False, fp8_grad_dtype: torch.dtype = _fp8.E5M2, fp8_scaling: str = "delayed",
+                 device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.cfg = cfg
@@ -193,10 +199,10 @@ class VLADecoderLayer(nn.Module):
         self.o_proj = nn.Linear(cfg.heads * d, cfg.hidden, bias=False, **kw)
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden, **kw))
         self.experts = MoTExperts(cfg.hidden, (cfg.inter_vl, cfg.inter_action), fp8=fp8, grad_dtype=fp8_grad_dtype,
-                                  **kw)
+                                  scaling=fp8_scaling, **kw)
         if fp8:  # the projections through Fp8Linear (bf16 where fp8 does not pay)
-            self.qkv = Fp8Linear.from_linear(self.qkv, grad_dtype=fp8_grad_dtype)
-            self.o_proj = Fp8Linear.from_linear(self.o_proj, grad_dtype=fp8_grad_dtype)
+            self.qkv = Fp8Linear.from_linear(self.qkv, grad_dtype=fp8_grad_dtype, scaling=fp8_scaling)
+            self.o_proj = Fp8Linear.from_linear(self.o_proj, grad_dtype=fp8_grad_dtype, scaling=fp8_scaling)
 
     def forward(self, y: Tensor, residual: Optional[Tensor], positions: Tensor, inv_freq: Tensor, B: int, L: int,
                 split: int):
@@ -224,16 +230,19 @@ class VLADecoder(nn.Module):
     [B, L, hidden], the last ``action`` tokens of each sample going through the action expert.
     ``fp8=True``: the q/k/v and o projections and the experts in fp8 where it pays (delayed scaling;
     under data parallelism call :func:`mmfuse.nn.reduce_amax_histories` after each backward);
-    ``fp8_grad_dtype``: the output gradients' fp8 format (e5m2 by default, or e4m3: finer, less range)."""
+    ``fp8_grad_dtype``: the output gradients' fp8 format (e5m2 by default, or e4m3: finer, less range);
+    ``fp8_scaling``: ``"delayed"`` (default: the scale from the amax history, one pass a tensor) or
+    ``"dynamic"`` (each tensor's own amax, one more read of it)."""
 
-    def __init__(self, cfg, *, fp8: bool = False, fp8_grad_dtype: torch.dtype = _fp8.E5M2, device=None, dtype=None):
+    def __init__(self, cfg, *, fp8: bool = False, fp8_grad_dtype: torch.dtype = _fp8.E5M2, fp8_scaling: str = "delayed",
+                 device=None, dtype=None):
         super().__init__()
         self.cfg = cfg
         d = cfg.head_dim
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
-        self.layers = nn.ModuleList(VLADecoderLayer(cfg, fp8=fp8, fp8_grad_dtype=fp8_grad_dtype, device=device,
-                                                    dtype=dtype)
+        self.layers = nn.ModuleList(VLADecoderLayer(cfg, fp8=fp8, fp8_grad_dtype=fp8_grad_dtype, fp8_scaling=fp8_scaling,
+                                                    device=device, dtype=dtype)
                                     for _ in range(cfg.layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden, device=device, dtype=dtype))
 
