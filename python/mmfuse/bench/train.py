@@ -80,8 +80,8 @@ def _variants(cfg: VLAConfig, batch: Batch, device, dtype, compiled: bool, fp8: 
         peer = _torchao_fp8(cfg, ref, device, dtype) if compiled else None
         if peer is not None:
             peer_c = torch.compile(peer)
-            out.append(_Variant("torchao fp8 compiled", peer,
-                                lambda: peer_c(batch.embeds, batch.positions, idx_vl, idx_act), lambda: ref_grads(peer)))
+            out.append(_Variant("torchao fp8 compiled", peer, lambda: peer_c(batch.embeds, batch.positions, idx_vl,
+                                                                             idx_act), lambda: ref_grads(peer)))
     return out
 
 

@@ -89,7 +89,7 @@ class _RotateQKFn(torch.autograd.Function):
 
 class _Fp8ExpertFn(torch.autograd.Function):
     """One SwiGLU expert in fp8, x [M, H] -> y [M, H]: gate/up and down through mmfuse's fp8 linear ops
-    (e4m3 operands, delayed scaling), the SwiGLU activation quantized straight from the gate/up output
+    (e4m3 operands, delayed or dynamic scaling), the SwiGLU activation quantized straight from the gate/up output
     (``swiglu_x``: it is never written in bf16), saving x's and the activation's fp8 copies and the
     gate/up output; the backward turns that saved output into its own gradient in place
     (swiglu_backward_)."""
@@ -133,8 +133,7 @@ class MoTExperts(nn.Module):
     With ``fp8=True`` an expert whose gate/up GEMM is big enough for fp8 to pay (:func:`mmfuse.fp8.fp8_pays`;
     always on the CPU, which emulates fp8) runs both its projections through :func:`mmfuse.fp8_linear`
     (e4m3 operands, e5m2 gradients or ``grad_dtype``, delayed or dynamic ``scaling``, fp8 copies saved for the
-    backward); the other
-    stays bf16. The states are buffers (``fp8_delayed_states`` lists them for
+    backward); the other stays bf16. The states are buffers (``fp8_delayed_states`` lists the delayed ones for
     :func:`mmfuse.nn.reduce_amax_histories`)."""
 
     def __init__(self, hidden: int, intermediate_sizes: Sequence[int], *, fp8: bool = False,
@@ -241,8 +240,8 @@ class VLADecoder(nn.Module):
         d = cfg.head_dim
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
-        self.layers = nn.ModuleList(VLADecoderLayer(cfg, fp8=fp8, fp8_grad_dtype=fp8_grad_dtype, fp8_scaling=fp8_scaling,
-                                                    device=device, dtype=dtype)
+        self.layers = nn.ModuleList(VLADecoderLayer(cfg, fp8=fp8, fp8_grad_dtype=fp8_grad_dtype,
+                                                    fp8_scaling=fp8_scaling, device=device, dtype=dtype)
                                     for _ in range(cfg.layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden, device=device, dtype=dtype))
 
