@@ -628,6 +628,35 @@ TEST(Fp8QuantizeCuda, SwigluSourceEqualsTheSwigluOutputQuantized) {
   check_swiglu_source<bf16>(4096, 1000, 0, DType::kFloat8E4M3, false, false, true);  // many blocks
 }
 
+// Delayed scaling over a run of calls, as a training loop makes them: the history shifts, the scale
+// follows its maximum (values past it saturate), the scratch words end at zero; every call's copies,
+// scale and state bitwise equal to the CPU's, for amaxes that grow and shrink, both formats, plain
+// and swiglu sources, grids of many blocks.
+TEST(Fp8QuantizeCuda, DelayedHistoryOverManyCallsBitwiseEqualToCpu) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  const int64_t r = 2000, c = 1000;
+  for (DType fmt : {DType::kFloat8E4M3, DType::kFloat8E5M2})
+    for (bool swiglu : {false, true}) {
+      Quant cpu, gpu;
+      cpu.state = gpu.state = std::vector<float>(4 + 2, 0.0f);  // a fresh history of 4
+      std::mt19937_64 rng(test_seed() + (swiglu ? 7u : 0u));
+      int call = 0;
+      for (double amp : {1.0, 1.5, 0.5, 3.0, 3.2, 0.1, 0.1, 2.0, 1.0}) {
+        SCOPED_TRACE(testing::Message() << dtype_name(fmt) << " swiglu=" << swiglu << " call " << call++);
+        const int64_t ld = swiglu ? 2 * c : c;
+        std::vector<bf16> x = random_vec<bf16>(size_t(r * ld), rng, -amp, amp);
+        quantize(x, r, c, ld, fmt, true, true, false, cpu, false, swiglu);
+        quantize(x, r, c, ld, fmt, true, true, false, gpu, true, swiglu);
+        ASSERT_TRUE(bits_equal(cpu.scale_inv, gpu.scale_inv)) << cpu.scale_inv << " vs " << gpu.scale_inv;
+        ASSERT_EQ(cpu.state, gpu.state);
+        ASSERT_EQ(gpu.state[4], 0.0f);  // the scratch: running maximum and block counter back to zero
+        ASSERT_EQ(gpu.state[5], 0.0f);
+        ASSERT_EQ(cpu.q, gpu.q);
+        ASSERT_EQ(cpu.qt, gpu.qt);
+      }
+    }
+}
+
 TEST(Fp8QuantizeCuda, NonFiniteBitwiseEqualToCpu) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";
   const NonFinite n = non_finite_input();
