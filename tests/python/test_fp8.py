@@ -340,6 +340,38 @@ def test_seed_functions(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_linear_forward_swiglu_x_equals_swiglu_then_linear(device):
+    # swiglu_x quantizes swiglu(x) straight from x: the same bits as the swiglu op's output passed in
+    from mmfuse.swiglu import swiglu
+    g = torch.Generator().manual_seed(6)
+    gu = torch.randn(37, 2 * 48, generator=g).to(torch.bfloat16).to(device)
+    w = torch.randn(24, 48, generator=g).to(torch.bfloat16).to(device)
+    for dynamic in (True, False):
+        s1, s2 = fp8.new_state(2, device), fp8.new_state(2, device)
+        want = torch.ops.mmfuse.fp8_linear_forward(swiglu(gu), w, None, s1, fp8.new_state(1, device), None, None,
+                                                   None, dynamic, True, True, False)
+        got = torch.ops.mmfuse.fp8_linear_forward(gu, w, None, s2, fp8.new_state(1, device), None, None, None,
+                                                  dynamic, True, True, False, True)
+        for a, b in zip(want, got):
+            assert torch.equal(a, b)
+        assert torch.equal(s1, s2)
+
+
+def test_linear_forward_checks_in_features():
+    x, gu = torch.randn(4, 40, dtype=torch.bfloat16), torch.randn(4, 81, dtype=torch.bfloat16)
+    w = torch.randn(8, 32, dtype=torch.bfloat16)
+    st = fp8.new_state
+    with pytest.raises(ValueError, match=r"w: expected x's columns as in_features \(\[4, 40\]\), got w \[8, 32\]"):
+        torch.ops.mmfuse.fp8_linear_forward(x, w, None, st(), st(1), None, None, None, True, True, True, False)
+    with pytest.raises(ValueError, match=r"w: expected half of x's columns \(swiglu_x: x is \[M, 2K\]\)"):
+        torch.ops.mmfuse.fp8_linear_forward(gu, torch.randn(8, 40, dtype=torch.bfloat16), None, st(), st(1), None,
+                                            None, None, True, True, True, False, True)
+    with pytest.raises(ValueError, match="per tensor scaling only"):
+        torch.ops.mmfuse.fp8_linear_forward(gu[:, :80], torch.randn(8, 40, dtype=torch.bfloat16), None, st(), st(1),
+                                            None, None, None, True, True, True, True, True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(33, 40, generator=g).to(torch.bfloat16).to(device)
@@ -361,6 +393,10 @@ def test_opcheck(device):
                           (x, w, None, st(), st(), None, None, None, True, True, True, True))
     torch.library.opcheck(torch.ops.mmfuse.fp8_linear_forward, (x, w, None, st(), st(), wq, wqt, wsi, True, True, True, False),
                           test_utils=no_schema)
+    gu = torch.randn(33, 80, generator=g).to(torch.bfloat16).to(device)  # the [gate | up] source of a 40-wide input
+    for dynamic in (True, False):
+        torch.library.opcheck(torch.ops.mmfuse.fp8_linear_forward,
+                              (gu, w, None, st(), st(), None, None, None, dynamic, True, True, False, True))
     gy = torch.randn(33, 24, generator=g).to(torch.bfloat16).to(device)
     torch.library.opcheck(torch.ops.mmfuse.fp8_linear_backward,
                           (gy, qt, si, wqt, wsi, st(), 40, True, True, True, True, True, False, None, None, False),
