@@ -56,6 +56,25 @@ def test_compiled_model_matches_eager():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_backward_graph_has_no_whole_tensor_copies():
+    # mRoPE in place on a view would make autograd copy the q/k/v gradient three times (CopySlices) and
+    # replay later views with as_strided (AsStridedBackward0): the rotation runs on the GEMM's own output
+    cfg = preset("tiny", layers=2)
+    batch = make_batch(cfg, 2, 24, 5, "cpu", torch.float32, seed=6)
+    ours = VLADecoder(cfg, device="cpu", dtype=torch.float32)
+    out = ours(batch.embeds, batch.positions, 5)
+    names, todo, seen = set(), [out.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    assert "_RotateQKFnBackward" in names, sorted(names)
+    assert not names & {"CopySlices", "AsStridedBackward0"}, sorted(names)
+
+
 def test_experts_backward_in_place_refuses_a_second_backward():
     # the backward turns the saved gate/up output into its gradient: a retained graph cannot run twice
     torch.manual_seed(0)

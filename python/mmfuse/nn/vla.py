@@ -63,28 +63,32 @@ class _MoTExpertsFn(torch.autograd.Function):
 
 
 class _RotateQKFn(torch.autograd.Function):
-    """mRoPE from the positions on the q and k heads of the fused q/k/v output ``[B, L, heads + 2 kv, D]``,
+    """mRoPE from the positions on the q and k heads of the fused q/k/v GEMM output ``[B * L, (heads + 2 kv) D]``,
     in place: the attention then saves views of that one buffer, not rotated copies of q and k next to
-    it. The backward writes the adjoint rotation into a new gradient (the incoming one is not ours)."""
+    it. In place on the GEMM's own output, not on a view of it: a view marked dirty makes autograd copy
+    the whole gradient three times in the backward (CopySlices). The backward writes the adjoint
+    rotation into a new gradient (the incoming one is not ours)."""
 
     @staticmethod
-    def forward(ctx, qkv, positions, inv_freq, section, heads, kv_heads):
-        q, k = qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads]
+    def forward(ctx, qkv, positions, inv_freq, section, heads, kv_heads, B, L):
+        x = qkv.view(B, L, heads + 2 * kv_heads, -1)
+        q, k = x[:, :, :heads], x[:, :, heads:heads + kv_heads]
         torch.ops.mmfuse.mrope_(q, k, None, None, positions, inv_freq, section, False, "fp32", False, False)
         ctx.mark_dirty(qkv)
         ctx.save_for_backward(positions, inv_freq)
-        ctx.meta = (section, heads, kv_heads)
+        ctx.meta = (section, heads, kv_heads, B, L)
         return qkv
 
     @staticmethod
     def backward(ctx, g):
         positions, inv_freq = ctx.saved_tensors
-        section, heads, kv = ctx.meta
+        section, heads, kv, B, L = ctx.meta
+        g = g.view(B, L, heads + 2 * kv, -1)
         d = torch.empty_like(g)
         torch.ops.mmfuse.mrope_out(g[:, :, :heads], g[:, :, heads:heads + kv], None, None, positions, inv_freq,
                                    section, False, "fp32", True, False, d[:, :, :heads], d[:, :, heads:heads + kv])
         d[:, :, heads + kv:] = g[:, :, heads + kv:]
-        return d, None, None, None, None, None
+        return d.view(B * L, -1), None, None, None, None, None, None, None
 
 
 class _Fp8ExpertFn(torch.autograd.Function):
@@ -214,8 +218,8 @@ class VLADecoderLayer(nn.Module):
         else:
             normed, h = rms_norm(y, self.input_layernorm, cfg.eps, residual, grouping=grouping, x_grouped=True)
         d = cfg.head_dim
-        qkv = self.qkv(normed).view(B, L, cfg.heads + 2 * cfg.kv_heads, d)
-        qkv = _RotateQKFn.apply(qkv, positions, inv_freq, list(cfg.mrope_section), cfg.heads, cfg.kv_heads)
+        qkv = _RotateQKFn.apply(self.qkv(normed), positions, inv_freq, list(cfg.mrope_section), cfg.heads,
+                                cfg.kv_heads, B, L).view(B, L, cfg.heads + 2 * cfg.kv_heads, d)
         q, k, v = qkv.split([cfg.heads, cfg.kv_heads, cfg.kv_heads], dim=2)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                            enable_gqa=True)
