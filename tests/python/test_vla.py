@@ -126,6 +126,24 @@ def test_fp8_expert_equals_the_fp8_linear_composition(device):
             assert torch.equal(getattr(e, k), v), (step, k)
 
 
+def test_mixed_experts_do_not_keep_the_whole_input_alive():
+    # the fp8 expert saves fp8 copies of its rows; the bf16 one must not save a view of the whole input
+    torch.manual_seed(0)
+    e = MoTExperts(32, (48, 16), fp8=True)
+    for p in e.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    e._uses_fp8 = lambda x, rows, i: i == 0  # expert 0 in fp8, expert 1 bf16, as on the GPU at VLA shapes
+    x = torch.randn(40, 32, requires_grad=True)
+    h = x * 1.0
+    storages = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: storages.append(t.untyped_storage().data_ptr()) or t,
+                                                  lambda t: t):
+        y = e(h, 30)
+    assert h.untyped_storage().data_ptr() not in storages
+    y.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
 def test_fp8_scaling_dynamic_and_bad_values():
     cfg = preset("tiny")
     batch = make_batch(cfg, 2, 24, 4, "cpu", torch.bfloat16, seed=2)

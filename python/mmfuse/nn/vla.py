@@ -186,6 +186,8 @@ class MoTExperts(nn.Module):
                                                self.grad_dtype == _fp8.E5M2, self.scaling == "dynamic"))
             else:
                 gu, dn = getattr(self, f"gate_up{e}"), getattr(self, f"down{e}")
+                if fp8[1 - e]:  # saved for backward as a copy: a view would keep the whole of x alive
+                    part = part.clone()
                 outs.append(F.linear(swiglu(F.linear(part, gu)), dn))
         return torch.cat(outs)
 
