@@ -214,7 +214,8 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, x_st
     y, nq, nqt, nsi, nsi_t = _Fp8LinearFn.apply(
         x.reshape(-1, x.shape[-1]), weight, bias, x_state, w_state, g_state, wq.q, wq.qt, wq.scale_inv,
         wq.scale_inv_t, scaling == "dynamic", grad_dtype == E5M2, bf16_wgrad, main_grad, return_weight_fp8, per_row)
-    y = y.reshape(*x.shape[:-1], weight.shape[0])
+    if x.dim() != 2:  # a 2-D x gets the op's own output, not a view of it (in-place ops on it stay cheap)
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
     if not return_weight_fp8:
         return y
     return y, (None if weight_fp8 is not None else _quantized(nq, nqt, nsi, nsi_t))

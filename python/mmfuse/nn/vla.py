@@ -179,7 +179,8 @@ class MoTExperts(nn.Module):
         if not any(fp8):
             return _MoTExpertsFn.apply(x, m0, self.gate_up0, self.down0, self.gate_up1, self.down1)
         outs = []
-        for e, part in enumerate((x[:m0], x[m0:])):
+        # split, not two slices: their backward would be two zero-filled [T, H] gradients added up
+        for e, part in enumerate(x.split([m0, x.shape[0] - m0])):
             if fp8[e]:
                 states = tuple(getattr(self, f"{p}{e}_{t}_state") for p in ("gate_up", "down") for t in "xwg")
                 outs.append(_Fp8ExpertFn.apply(part, getattr(self, f"gate_up{e}"), getattr(self, f"down{e}"), states,
