@@ -3,6 +3,7 @@
 #include "mmfuse/swiglu.h"
 
 #include <string>
+#include <utility>
 
 #include "common/checks.h"
 #include "common/dispatch.h"
@@ -57,6 +58,58 @@ void swiglu_backward(const TensorView& dy, const TensorView& gate_up, TensorView
   if (T == 0 || I == 0) return;
   if (dev.type == DeviceType::kCPU) return detail::swiglu_backward_cpu(dy, gate_up, d_gate_up, y);
   MMFUSE_CUDA_BACKEND(op, stream, detail::swiglu_backward_cuda(dy, gate_up, d_gate_up, y, stream));
+}
+
+void swiglu_pack_fp8(const TensorView& gate_up, TensorView& q, TensorView& scale_inv, cudaStream_t stream) {
+  const char* op = "swiglu_pack_fp8";
+  const int64_t I = check_gate_up(op, gate_up), T = gate_up.shape[0];
+  MMFUSE_CHECK(gate_up.dtype != DType::kFloat64, op, ": gate_up: expected bfloat16, float16 or float32, got float64");
+  const int64_t tiles = (2 * I + kSwigluPackTile - 1) / kSwigluPackTile;
+  check_matrix(op, q, "q", T, 2 * I, DType::kFloat8E4M3, gate_up.device);
+  check_matrix(op, scale_inv, "scale_inv", T, tiles, DType::kFloat32, gate_up.device);
+  check_not_expanded(op, q, "q");
+  check_not_expanded(op, scale_inv, "scale_inv");
+  check_no_overlap(op, q, "q", gate_up, "gate_up");
+  check_no_overlap(op, scale_inv, "scale_inv", gate_up, "gate_up");
+  check_no_overlap(op, scale_inv, "scale_inv", q, "q");
+  if (T == 0 || I == 0) return;
+  if (gate_up.device.type == DeviceType::kCPU) return detail::swiglu_pack_fp8_cpu(gate_up, q, scale_inv);
+  MMFUSE_CUDA_BACKEND(op, stream, detail::swiglu_pack_fp8_cuda(gate_up, q, scale_inv, stream));
+}
+
+void swiglu_backward_fp8(const TensorView& dy, const TensorView& q, const TensorView& scale_inv,
+                         TensorView& d_gate_up, TensorView& y, cudaStream_t stream) {
+  const char* op = "swiglu_backward_fp8";
+  MMFUSE_CHECK(q.defined() && q.ndim == 2 && q.shape[1] % 2 == 0, op,
+               ": q: expected a 2-D tensor [T, 2I] (swiglu_pack_fp8's), got ",
+               q.defined() ? shape_str(q) : std::string("none"));
+  const int64_t T = q.shape[0], I = q.shape[1] / 2;
+  const int64_t tiles = (2 * I + kSwigluPackTile - 1) / kSwigluPackTile;
+  const Device dev = q.device;
+  check_matrix(op, q, "q", T, 2 * I, DType::kFloat8E4M3, dev);
+  check_matrix(op, scale_inv, "scale_inv", T, tiles, DType::kFloat32, dev);
+  MMFUSE_CHECK(dy.defined(), op, ": dy is missing");
+  MMFUSE_CHECK(dy.dtype == DType::kBFloat16 || dy.dtype == DType::kFloat16 || dy.dtype == DType::kFloat32, op,
+               ": dy: expected bfloat16, float16 or float32, got ", dtype_name(dy.dtype));
+  const DType dt = dy.dtype;
+  check_matrix(op, dy, "dy", T, I, dt, dev, "q");
+  check_matrix(op, d_gate_up, "d_gate_up", T, 2 * I, dt, dev, "dy");
+  if (y.defined()) check_matrix(op, y, "y", T, I, dt, dev, "dy");
+  // the one in-place pair (y is dy) is allowed; any other sharing is not
+  check_not_expanded(op, d_gate_up, "d_gate_up");
+  check_not_expanded(op, y, "y");
+  for (const auto& [in, name] : {std::pair<const TensorView*, const char*>{&dy, "dy"}, {&q, "q"},
+                                 {&scale_inv, "scale_inv"}})
+    check_no_overlap(op, d_gate_up, "d_gate_up", *in, name);
+  if (y.defined()) {
+    if (!same_view(y, dy)) check_no_overlap(op, y, "y", dy, "dy");
+    check_no_overlap(op, y, "y", q, "q");
+    check_no_overlap(op, y, "y", scale_inv, "scale_inv");
+    check_no_overlap(op, y, "y", d_gate_up, "d_gate_up");
+  }
+  if (T == 0 || I == 0) return;
+  if (dev.type == DeviceType::kCPU) return detail::swiglu_backward_fp8_cpu(dy, q, scale_inv, d_gate_up, y);
+  MMFUSE_CUDA_BACKEND(op, stream, detail::swiglu_backward_fp8_cuda(dy, q, scale_inv, d_gate_up, y, stream));
 }
 
 }  // namespace mmfuse

@@ -119,12 +119,15 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
 
 // SwiGLU on the fused [gate | up] layout (python/mmfuse/swiglu.py; include/mmfuse/swiglu.h):
 // swiglu_backward -> (d_gate_up, y recomputed: [0, I] unless recompute); swiglu_backward_ in place:
-// gate_up becomes d_gate_up and (recompute) dy becomes y.
+// gate_up becomes d_gate_up and (recompute) dy becomes y; swiglu_pack_fp8 -> (q e4m3, scale_inv [T, tiles])
+// and swiglu_backward_fp8 from those (the input saved in one byte an element).
 TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.set_python_module("mmfuse.swiglu");
   m.def("swiglu(Tensor gate_up) -> Tensor");
   m.def("swiglu_backward(Tensor dy, Tensor gate_up, bool recompute=True) -> (Tensor, Tensor)");
   m.def("swiglu_backward_(Tensor(a!) dy, Tensor(b!) gate_up, bool recompute=True) -> ()");
+  m.def("swiglu_pack_fp8(Tensor gate_up) -> (Tensor, Tensor)");
+  m.def("swiglu_backward_fp8(Tensor dy, Tensor q, Tensor scale_inv, bool recompute=True) -> (Tensor, Tensor)");
 }
 
 // Fused linear cross-entropy (python/mmfuse/linear_cross_entropy.py, where its CPU and CUDA

@@ -46,7 +46,36 @@ void swiglu_backward_inplace_impl(const Tensor& dy, const Tensor& gate_up, bool 
   });
 }
 
+std::tuple<Tensor, Tensor> swiglu_pack_fp8_impl(const Tensor& gate_up_in) {
+  const Tensor gate_up = kernel_ready(gate_up_in);
+  const int64_t T = rows_of(gate_up), C2 = 2 * half_cols(gate_up);
+  Tensor q = at::empty({T, C2}, gate_up.options().dtype(at::kFloat8_e4m3fn));
+  Tensor si = at::empty({T, (C2 + kSwigluPackTile - 1) / kSwigluPackTile}, gate_up.options().dtype(at::kFloat));
+  guarded("swiglu_pack_fp8", [&] {
+    TensorView qv = view(q, "q"), sv = view(si, "scale_inv");
+    c10::OptionalDeviceGuard g(gate_up.device());
+    swiglu_pack_fp8(view(gate_up, "gate_up"), qv, sv, current_stream(gate_up));
+  });
+  return {q, si};
+}
+
+std::tuple<Tensor, Tensor> swiglu_backward_fp8_impl(const Tensor& dy_in, const Tensor& q_in, const Tensor& si_in,
+                                                     bool recompute) {
+  const Tensor dy = kernel_ready(dy_in), q = kernel_ready(q_in), si = kernel_ready(si_in);
+  const int64_t T = rows_of(q), I = half_cols(q);
+  Tensor dgu = at::empty({T, 2 * I}, dy.options());
+  Tensor y = at::empty({recompute ? T : 0, I}, dy.options());
+  guarded("swiglu_backward_fp8", [&] {
+    TensorView dv = view(dgu, "d_gate_up"), yv = recompute ? view(y, "y") : TensorView{};
+    c10::OptionalDeviceGuard g(q.device());
+    swiglu_backward_fp8(view(dy, "dy"), view(q, "q"), view(si, "scale_inv"), dv, yv, current_stream(q));
+  });
+  return {dgu, y};
+}
+
 void register_swiglu(torch::Library& m) {
+  m.impl("swiglu_pack_fp8", &swiglu_pack_fp8_impl);
+  m.impl("swiglu_backward_fp8", &swiglu_backward_fp8_impl);
   m.impl("swiglu", &swiglu_impl);
   m.impl("swiglu_backward", &swiglu_backward_impl);
   m.impl("swiglu_backward_", &swiglu_backward_inplace_impl);

@@ -25,4 +25,21 @@ MMFUSE_API void swiglu(const TensorView& gate_up, TensorView& out, cudaStream_t 
 MMFUSE_API void swiglu_backward(const TensorView& dy, const TensorView& gate_up, TensorView& d_gate_up, TensorView& y,
                                 cudaStream_t stream);
 
+// The SwiGLU input kept for the backward in one byte an element (an fp8 layer's saved activation):
+// gate_up [T, 2I] (bf16, fp16 or fp32) -> q [T, 2I] e4m3 and scale_inv [T, ceil(2I / 128)] float32. Each
+// row's 128-column tile c is scaled by 2^k, k the largest integer in [-126, 126] with amax * 2^k <= 448
+// (amax over the tile's finite values; k = 0 for a tile without one): q = e4m3(x * 2^k), rounded to
+// nearest even (Inf and NaN to NaN, the fp8 rule of SEMANTICS.md), scale_inv[t, c] = 2^-k. Power-of-two
+// scales keep the product exact: the only rounding is the e4m3 one (relative error <= 2^-4 for the
+// tile's values above amax * 2^-6, absolute <= amax * 2^-13 below). Tiles, not one scale a tensor: no
+// amax pass first, and an outlier costs only its own 128 values their precision.
+constexpr int64_t kSwigluPackTile = 128;
+MMFUSE_API void swiglu_pack_fp8(const TensorView& gate_up, TensorView& q, TensorView& scale_inv, cudaStream_t stream);
+
+// swiglu_backward from the packed input: gate_up = q * scale_inv (exact), then the formulas above in
+// dy's type (bf16, fp16 or fp32; d_gate_up and y of that type). y may be dy itself (in place); any
+// other overlap, and an expanded output, is an error.
+MMFUSE_API void swiglu_backward_fp8(const TensorView& dy, const TensorView& q, const TensorView& scale_inv,
+                                    TensorView& d_gate_up, TensorView& y, cudaStream_t stream);
+
 }  // namespace mmfuse

@@ -44,6 +44,33 @@ def swiglu_backward_(dy: Tensor, gate_up: Tensor, recompute: bool = True) -> Non
         torch.autograd.graph.increment_version(dy)
 
 
+def swiglu_pack_fp8(gate_up: Tensor) -> Tuple[Tensor, Tensor]:
+    """The SwiGLU input kept for the backward in one byte an element: ``gate_up [T, 2I]`` (bf16, fp16 or
+    fp32) -> ``(q [T, 2I] float8_e4m3fn, scale_inv [T, ceil(2I / 128)] float32)``, each row's 128-column
+    tile scaled by its own power of two (the largest that keeps the tile's finite amax within 448), so
+    ``q.float() * scale_inv`` (per tile) is ``gate_up`` rounded once to e4m3. Not differentiable."""
+    return torch.ops.mmfuse.swiglu_pack_fp8(gate_up)
+
+
+def swiglu_backward_fp8(dy: Tensor, q: Tensor, scale_inv: Tensor, recompute: bool = True) -> Tuple[Tensor, Tensor]:
+    """:func:`swiglu_backward` from :func:`swiglu_pack_fp8`'s output: ``(d_gate_up, y)`` in ``dy``'s dtype,
+    the gate and up values unpacked exactly (``y``: empty ``[0, I]`` unless ``recompute``)."""
+    return torch.ops.mmfuse.swiglu_backward_fp8(dy, q, scale_inv, recompute)
+
+
+@torch.library.register_fake("mmfuse::swiglu_pack_fp8")
+def _swiglu_pack_fp8_fake(gate_up):
+    T, two_i = gate_up.shape
+    return (gate_up.new_empty(T, two_i, dtype=torch.float8_e4m3fn),
+            gate_up.new_empty(T, (two_i + 127) // 128, dtype=torch.float32))
+
+
+@torch.library.register_fake("mmfuse::swiglu_backward_fp8")
+def _swiglu_backward_fp8_fake(dy, q, scale_inv, recompute=True):
+    T, two_i = q.shape
+    return dy.new_empty(T, two_i), dy.new_empty(T if recompute else 0, two_i // 2)
+
+
 @torch.library.register_fake("mmfuse::swiglu")
 def _swiglu_fake(gate_up):
     return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

@@ -20,12 +20,37 @@ inline S swiglu_value_cpu(S gate, S up) {
   return store_val<S>(g * sig * u);
 }
 
+#if defined(__CUDACC__)
+#define MMFUSE_SWIGLU_HD __host__ __device__
+#else
+#define MMFUSE_SWIGLU_HD
+#endif
+
+// The power of two of swiglu_pack_fp8's tile scale from the amax's IEEE bits (finite, >= 0): the largest
+// k in [-126, 126] with amax * 2^k <= 448 (0 for amax 0). Bits, not frexp: one definition for the CPU and
+// the device.
+MMFUSE_SWIGLU_HD inline int swiglu_pack_exponent(uint32_t amax_bits) {
+  const int e = int(amax_bits >> 23) & 0xff;
+  const uint32_t m = amax_bits & 0x7fffffu;
+  if (e == 0) return m ? 126 : 0;  // a subnormal amax takes the clamp
+  // amax = (1 + m / 2^23) 2^(e - 127) and 448 = 1.75 * 2^8: one power of two less where the mantissa
+  // is above 1.75
+  const int k = (m <= 0x600000u ? 9 : 8) - (e - 126);
+  return k < -126 ? -126 : (k > 126 ? 126 : k);
+}
+
 void swiglu_cpu(const TensorView& gate_up, TensorView& out);
 void swiglu_backward_cpu(const TensorView& dy, const TensorView& gate_up, TensorView& d_gate_up, TensorView& y);
+void swiglu_pack_fp8_cpu(const TensorView& gate_up, TensorView& q, TensorView& scale_inv);
+void swiglu_backward_fp8_cpu(const TensorView& dy, const TensorView& q, const TensorView& scale_inv,
+                             TensorView& d_gate_up, TensorView& y);
 #ifdef MMFUSE_WITH_CUDA
 void swiglu_cuda(const TensorView& gate_up, TensorView& out, cudaStream_t stream);
 void swiglu_backward_cuda(const TensorView& dy, const TensorView& gate_up, TensorView& d_gate_up, TensorView& y,
                           cudaStream_t stream);
+void swiglu_pack_fp8_cuda(const TensorView& gate_up, TensorView& q, TensorView& scale_inv, cudaStream_t stream);
+void swiglu_backward_fp8_cuda(const TensorView& dy, const TensorView& q, const TensorView& scale_inv,
+                              TensorView& d_gate_up, TensorView& y, cudaStream_t stream);
 #endif
 
 }  // namespace detail

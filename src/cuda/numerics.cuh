@@ -63,5 +63,15 @@ struct alignas(sizeof(T) * VEC) Vec {
   T v[VEC];
 };
 
+// The fp8 rule for non-finite input (common/numerics.h fp8_finite_abs / fp8_scaled): amax over the
+// finite values; Inf and NaN elements quantize to NaN.
+__device__ __forceinline__ float fp8_finite_abs(float v) {
+  const float a = fabsf(v);
+  return a <= 3.4028234663852886e38f ? a : 0.0f;
+}
+__device__ __forceinline__ float fp8_scaled(float v, float s) {
+  return fabsf(v) == __int_as_float(0x7f800000) ? __int_as_float(0x7fffffff) : __fmul_rn(v, s);
+}
+
 }  // namespace cuda
 }  // namespace mmfuse

@@ -146,3 +146,56 @@ def test_non_finite_inputs_give_the_formulas_results(device):
     silu(inf) * up = inf * up)."""
     gu = torch.tensor([[float("-inf"), float("inf"), 1.0, float("nan"), 2.0, 3.0, float("nan"), 4.0]], device=device)
     torch.testing.assert_close(mmfuse.swiglu(gu), _ref(gu), equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pack_fp8_and_its_backward(device, dtype):
+    # the packed input within half an e4m3 step of each value (per 128-column tile scale), the same bytes
+    # on the GPU as on the CPU, strided rows read; the backward from it equal to swiglu_backward on the
+    # unpacked values
+    from mmfuse.swiglu import swiglu_backward, swiglu_backward_fp8, swiglu_pack_fp8
+
+    g = torch.Generator().manual_seed(11)
+    T, I = 37, 200  # 400 columns: 3 full tiles and a partial one
+    big = torch.randn(T, 2 * I + 24, generator=g) * torch.exp2(torch.randint(-20, 20, (T, 1), generator=g).float())
+    x = big.to(device, dtype)[:, :2 * I]  # strided rows
+    q, s = swiglu_pack_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (T, 2 * I) and s.shape == (T, 4)
+    scale = s.repeat_interleave(128, dim=1)[:, :2 * I]
+    unpacked = q.double() * scale.double()
+    xd = x.double()
+    assert bool(((unpacked - xd).abs() <= torch.maximum(xd.abs() / 16, scale.double() / 1024)).all())
+    assert bool((torch.log2(s) == torch.log2(s).round()).all())  # powers of two
+    if device == "cuda":
+        qc, sc = swiglu_pack_fp8(x.cpu())
+        assert torch.equal(q.cpu().view(torch.uint8), qc.view(torch.uint8)) and torch.equal(s.cpu(), sc)
+    dy = torch.randn(T, I, generator=g).to(device, dtype)
+    got_dg, got_y = swiglu_backward_fp8(dy, q, s)
+    want_dg, want_y = swiglu_backward(dy, unpacked.to(dtype), True)
+    assert torch.equal(got_dg, want_dg) and torch.equal(got_y, want_y)
+    assert swiglu_backward_fp8(dy, q, s, recompute=False)[1].shape == (0, I)
+
+
+def test_pack_fp8_opcheck_compile_and_bad_input():
+    from mmfuse.swiglu import swiglu_backward_fp8, swiglu_pack_fp8
+
+    x = torch.randn(9, 260, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.mmfuse.swiglu_pack_fp8.default, (x,))
+    q, s = swiglu_pack_fp8(x)
+    dy = torch.randn(9, 130, dtype=torch.bfloat16)
+    # test_schema perturbs the inputs with a multiply that torch does not implement for float8 tensors
+    no_schema = ("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration")
+    torch.library.opcheck(torch.ops.mmfuse.swiglu_backward_fp8.default, (dy, q, s, True), test_utils=no_schema)
+
+    def f(x, dy):
+        q, s = swiglu_pack_fp8(x)
+        return swiglu_backward_fp8(dy, q, s)[0]
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x, dy), f(x, dy), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="swiglu_pack_fp8: gate_up: expected an even number of columns"):
+        swiglu_pack_fp8(x[:, :259])
+    with pytest.raises(ValueError, match=r"swiglu_backward_fp8: scale_inv: expected shape \[9, 3\], got \[9, 2\]"):
+        swiglu_backward_fp8(dy, q, s[:, :2])
+    with pytest.raises(ValueError, match="swiglu_backward_fp8: dy: expected bfloat16, float16 or float32, got float64"):
+        swiglu_backward_fp8(dy.double(), q, s)

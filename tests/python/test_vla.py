@@ -94,11 +94,22 @@ def test_experts_backward_in_place_refuses_a_second_backward():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_expert_equals_the_fp8_linear_composition(device):
-    """An fp8 expert (_Fp8ExpertFn: the activation quantized from the gate/up output, the backward in
-    place) gives the bits of fp8_linear -> swiglu -> fp8_linear with the same delayed states: outputs,
-    input and weight gradients and every state, over three steps (the delayed scales then in use)."""
+    """An fp8 expert (_Fp8ExpertFn: the activation quantized from the gate/up output, that output saved
+    packed in fp8) gives the bits of fp8_linear -> swiglu (its backward from the packed input) ->
+    fp8_linear with the same delayed states: outputs, input and weight gradients and every state, over
+    three steps (the delayed scales then in use)."""
     from mmfuse import fp8
-    from mmfuse.swiglu import swiglu
+    from mmfuse.swiglu import swiglu, swiglu_backward_fp8, swiglu_pack_fp8
+
+    class PackedSwiglu(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, gu_out):
+            ctx.save_for_backward(*swiglu_pack_fp8(gu_out))
+            return swiglu(gu_out)
+
+        @staticmethod
+        def backward(ctx, da):
+            return swiglu_backward_fp8(da, *ctx.saved_tensors, recompute=False)[0]
 
     M, H, inter = (37, 48, 80) if device == "cpu" else (4099, 2048, 5504)  # GPU: where fp8 pays, odd rows
     g = torch.Generator().manual_seed(5)
@@ -118,7 +129,7 @@ def test_fp8_expert_equals_the_fp8_linear_composition(device):
         y.backward(dy)
         gu.grad = dn.grad = None
         kw = dict(scaling="delayed")
-        a = swiglu(fp8.fp8_linear(x2, gu, x_state=states["gate_up0_x_state"], w_state=states["gate_up0_w_state"],
+        a = PackedSwiglu.apply(fp8.fp8_linear(x2, gu, x_state=states["gate_up0_x_state"], w_state=states["gate_up0_w_state"],
                                   g_state=states["gate_up0_g_state"], **kw))
         want = fp8.fp8_linear(a, dn, x_state=states["down0_x_state"], w_state=states["down0_w_state"],
                               g_state=states["down0_g_state"], **kw)

@@ -93,10 +93,10 @@ class _RotateQKFn(torch.autograd.Function):
 
 class _Fp8ExpertFn(torch.autograd.Function):
     """One SwiGLU expert in fp8, x [M, H] -> y [M, H]: gate/up and down through mmfuse's fp8 linear ops
-    (e4m3 operands, delayed or dynamic scaling), the SwiGLU activation quantized straight from the gate/up output
-    (``swiglu_x``: it is never written in bf16), saving x's and the activation's fp8 copies and the
-    gate/up output; the backward turns that saved output into its own gradient in place
-    (swiglu_backward_)."""
+    (e4m3 operands, delayed or dynamic scaling), the SwiGLU activation quantized straight from the gate/up
+    output (``swiglu_x``: it is never written in bf16). Saved for the backward: x's and the activation's
+    fp8 copies and the gate/up output packed in fp8 (``swiglu_pack_fp8``: 128-column tiles with their own
+    power-of-two scales, half the bytes of bf16), from which the backward computes the SwiGLU gradient."""
 
     @staticmethod
     def forward(ctx, x, gate_up, down, states, grad_e5m2, dynamic):
@@ -105,24 +105,22 @@ class _Fp8ExpertFn(torch.autograd.Function):
             x, gate_up, None, gu_x, gu_w, None, None, None, dynamic, True, True, False)
         y, a_qt, a_si, _, dn_qt, dn_si, _ = torch.ops.mmfuse.fp8_linear_forward(
             g, down, None, dn_x, dn_w, None, None, None, dynamic, True, True, False, True)
-        ctx.save_for_backward(x_qt, x_si, gu_qt, gu_si, g, a_qt, a_si, dn_qt, dn_si, gu_g, dn_g)
+        g_q, g_si = torch.ops.mmfuse.swiglu_pack_fp8(g)
+        del g
+        ctx.save_for_backward(x_qt, x_si, gu_qt, gu_si, g_q, g_si, a_qt, a_si, dn_qt, dn_si, gu_g, dn_g)
         ctx.grad_e5m2, ctx.dynamic, ctx.k = grad_e5m2, dynamic, (x.shape[1], down.shape[1])
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_qt, x_si, gu_qt, gu_si, g, a_qt, a_si, dn_qt, dn_si, gu_g, dn_g = ctx.saved_tensors
+        x_qt, x_si, gu_qt, gu_si, g_q, g_si, a_qt, a_si, dn_qt, dn_si, gu_g, dn_g = ctx.saved_tensors
         need_dx, need_dgu, need_ddn = ctx.needs_input_grad[:3]
         H, inter = ctx.k
         e5m2, dynamic = ctx.grad_e5m2, ctx.dynamic
         da, ddown, _ = torch.ops.mmfuse.fp8_linear_backward(
             dy.to(torch.bfloat16), a_qt, a_si, dn_qt, dn_si, dn_g, inter, dynamic, e5m2, True, need_ddn, False, False,
             None, None, False)
-        if torch.compiler.is_compiling():  # traced: the functional op (a graph would copy the mutation back)
-            dg, _ = swiglu_backward(da, g, False)
-        else:
-            swiglu_backward_(da, g, False)
-            dg = g
+        dg, _ = torch.ops.mmfuse.swiglu_backward_fp8(da, g_q, g_si, False)
         del da
         dx, dgu, _ = torch.ops.mmfuse.fp8_linear_backward(
             dg, x_qt, x_si, gu_qt, gu_si, gu_g, H, dynamic, e5m2, need_dx, need_dgu, False, False, None, None, False)
@@ -137,7 +135,8 @@ class MoTExperts(nn.Module):
     With ``fp8=True`` an expert whose gate/up GEMM is big enough for fp8 to pay (:func:`mmfuse.fp8.fp8_pays`;
     always on the CPU, which emulates fp8) runs both its projections through :func:`mmfuse.fp8_linear`
     (e4m3 operands, e5m2 gradients or ``grad_dtype``, delayed or dynamic ``scaling``, fp8 copies saved for the
-    backward); the other stays bf16. The states are buffers (``fp8_delayed_states`` lists the delayed ones for
+    backward, the gate/up output saved packed in fp8: :func:`mmfuse.swiglu.swiglu_pack_fp8`); the other
+    stays bf16. The states are buffers (``fp8_delayed_states`` lists the delayed ones for
     :func:`mmfuse.nn.reduce_amax_histories`)."""
 
     def __init__(self, hidden: int, intermediate_sizes: Sequence[int], *, fp8: bool = False,

@@ -149,15 +149,8 @@ __device__ __forceinline__ void for_each_tile(const Job& jb, int tr, int tc, Bod
   }
 }
 
-// The non-finite rule (numerics.h fp8_finite_abs / fp8_scaled): amax over the finite values; Inf and
-// NaN elements quantize to NaN.
-__device__ __forceinline__ float finite_abs(float v) {
-  const float a = fabsf(v);
-  return a <= 3.4028234663852886e38f ? a : 0.0f;
-}
-__device__ __forceinline__ float scaled(float v, float s) {
-  return fabsf(v) == __int_as_float(0x7f800000) ? __int_as_float(0x7fffffff) : __fmul_rn(v, s);
-}
+using cuda::fp8_finite_abs;
+using cuda::fp8_scaled;
 
 // 16 values times their scales (sc(e)), rounded to fp8 (nearest even, saturating; Inf and NaN to
 // NaN), as 4 words.
@@ -167,9 +160,9 @@ __device__ __forceinline__ void pack_fp8(const float (&v)[16], Scale sc, __nv_fp
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
     const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-        make_float2(scaled(v[4 * p], sc(4 * p)), scaled(v[4 * p + 1], sc(4 * p + 1))), __NV_SATFINITE, fmt);
+        make_float2(fp8_scaled(v[4 * p], sc(4 * p)), fp8_scaled(v[4 * p + 1], sc(4 * p + 1))), __NV_SATFINITE, fmt);
     const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-        make_float2(scaled(v[4 * p + 2], sc(4 * p + 2)), scaled(v[4 * p + 3], sc(4 * p + 3))), __NV_SATFINITE,
+        make_float2(fp8_scaled(v[4 * p + 2], sc(4 * p + 2)), fp8_scaled(v[4 * p + 3], sc(4 * p + 3))), __NV_SATFINITE,
         fmt);
     w[p] = uint32_t(lo) | (uint32_t(hi) << 16);
   }
@@ -240,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const __grid_constan
   float amax = 0.0f;
   for_each_tile<S, kSwiglu>(jb, tr, tc, [&](int64_t, const float(&v)[16]) {
 #pragma unroll
-    for (int e = 0; e < 16; ++e) amax = fmaxf(amax, finite_abs(v[e]));
+    for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fp8_finite_abs(v[e]));
   });
   amax = block_max(amax, red);
   if (threadIdx.x == 0) finish_amax(jb, amax);
@@ -407,7 +400,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constan
         pack_fp8(v, [&](int) { return scale; }, fmt, w);
         if (!jb.dynamic) {
 #pragma unroll
-          for (int e = 0; e < 16; ++e) amax = fmaxf(amax, finite_abs(v[e]));
+          for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fp8_finite_abs(v[e]));
         }
         if constexpr (kColSums) {
 #pragma unroll
@@ -475,7 +468,7 @@ __global__ void __launch_bounds__(kThreads) fp8_amax_rows_kernel(const __grid_co
     float rm = 0.0f;
 #pragma unroll
     for (int e = 0; e < 16; ++e) {
-      v[e] = finite_abs(v[e]);
+      v[e] = fp8_finite_abs(v[e]);
       rm = fmaxf(rm, v[e]);
     }
     rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 1));
