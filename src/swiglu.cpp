@@ -2,8 +2,8 @@
 #include "backends/swiglu.h"
 #include "mmfuse/swiglu.h"
 
+#include <initializer_list>
 #include <string>
-#include <utility>
 
 #include "common/checks.h"
 #include "common/dispatch.h"
@@ -24,6 +24,27 @@ int64_t check_gate_up(const char* op, const TensorView& gu) {
   return gu.shape[1] / 2;
 }
 
+// dy [T, I], d_gate_up [T, 2I] and y [T, I] (optional) of dtype dt on dev, and the sharing rule: y may be
+// dy itself and d_gate_up the input `in_place` names (the exact in-place pairs); any other output / input
+// sharing, and an expanded output, is an error.
+void check_backward_views(const char* op, const TensorView& dy, const TensorView& d_gate_up, const TensorView& y,
+                          int64_t T, int64_t I, DType dt, Device dev, const char* ref,
+                          std::initializer_list<NamedView> inputs, const TensorView* in_place) {
+  check_matrix(op, dy, "dy", T, I, dt, dev, ref);
+  check_matrix(op, d_gate_up, "d_gate_up", T, 2 * I, dt, dev, ref);
+  if (y.defined()) check_matrix(op, y, "y", T, I, dt, dev, ref);
+  check_not_expanded(op, d_gate_up, "d_gate_up");
+  check_not_expanded(op, y, "y");
+  for (const NamedView& in : inputs)
+    if (in.v != in_place || !same_view(d_gate_up, *in.v))
+      check_no_overlap(op, d_gate_up, "d_gate_up", *in.v, in.name);
+  check_no_overlap(op, d_gate_up, "d_gate_up", dy, "dy");
+  if (!y.defined()) return;
+  if (!same_view(y, dy)) check_no_overlap(op, y, "y", dy, "dy");
+  for (const NamedView& in : inputs) check_no_overlap(op, y, "y", *in.v, in.name);
+  check_no_overlap(op, y, "y", d_gate_up, "d_gate_up");
+}
+
 }  // namespace
 
 void swiglu(const TensorView& gate_up, TensorView& out, cudaStream_t stream) {
@@ -42,19 +63,7 @@ void swiglu_backward(const TensorView& dy, const TensorView& gate_up, TensorView
   const int64_t I = check_gate_up(op, gate_up), T = gate_up.shape[0];
   const DType dt = gate_up.dtype;
   const Device dev = gate_up.device;
-  check_matrix(op, dy, "dy", T, I, dt, dev, "gate_up");
-  check_matrix(op, d_gate_up, "d_gate_up", T, 2 * I, dt, dev, "gate_up");
-  if (y.defined()) check_matrix(op, y, "y", T, I, dt, dev, "gate_up");
-  // the exact in-place pairs (d_gate_up is gate_up, y is dy) are allowed; any other sharing is not
-  check_not_expanded(op, d_gate_up, "d_gate_up");
-  check_not_expanded(op, y, "y");
-  if (!same_view(d_gate_up, gate_up)) check_no_overlap(op, d_gate_up, "d_gate_up", gate_up, "gate_up");
-  check_no_overlap(op, d_gate_up, "d_gate_up", dy, "dy");
-  if (y.defined()) {
-    if (!same_view(y, dy)) check_no_overlap(op, y, "y", dy, "dy");
-    check_no_overlap(op, y, "y", gate_up, "gate_up");
-    check_no_overlap(op, y, "y", d_gate_up, "d_gate_up");
-  }
+  check_backward_views(op, dy, d_gate_up, y, T, I, dt, dev, "gate_up", {{&gate_up, "gate_up"}}, &gate_up);
   if (T == 0 || I == 0) return;
   if (dev.type == DeviceType::kCPU) return detail::swiglu_backward_cpu(dy, gate_up, d_gate_up, y);
   MMFUSE_CUDA_BACKEND(op, stream, detail::swiglu_backward_cuda(dy, gate_up, d_gate_up, y, stream));
@@ -91,22 +100,8 @@ void swiglu_backward_fp8(const TensorView& dy, const TensorView& q, const Tensor
   MMFUSE_CHECK(dy.defined(), op, ": dy is missing");
   MMFUSE_CHECK(dy.dtype == DType::kBFloat16 || dy.dtype == DType::kFloat16 || dy.dtype == DType::kFloat32, op,
                ": dy: expected bfloat16, float16 or float32, got ", dtype_name(dy.dtype));
-  const DType dt = dy.dtype;
-  check_matrix(op, dy, "dy", T, I, dt, dev, "q");
-  check_matrix(op, d_gate_up, "d_gate_up", T, 2 * I, dt, dev, "dy");
-  if (y.defined()) check_matrix(op, y, "y", T, I, dt, dev, "dy");
-  // the one in-place pair (y is dy) is allowed; any other sharing is not
-  check_not_expanded(op, d_gate_up, "d_gate_up");
-  check_not_expanded(op, y, "y");
-  for (const auto& [in, name] : {std::pair<const TensorView*, const char*>{&dy, "dy"}, {&q, "q"},
-                                 {&scale_inv, "scale_inv"}})
-    check_no_overlap(op, d_gate_up, "d_gate_up", *in, name);
-  if (y.defined()) {
-    if (!same_view(y, dy)) check_no_overlap(op, y, "y", dy, "dy");
-    check_no_overlap(op, y, "y", q, "q");
-    check_no_overlap(op, y, "y", scale_inv, "scale_inv");
-    check_no_overlap(op, y, "y", d_gate_up, "d_gate_up");
-  }
+  check_backward_views(op, dy, d_gate_up, y, T, I, dy.dtype, dev, nullptr, {{&q, "q"}, {&scale_inv, "scale_inv"}},
+                       nullptr);
   if (T == 0 || I == 0) return;
   if (dev.type == DeviceType::kCPU) return detail::swiglu_backward_fp8_cpu(dy, q, scale_inv, d_gate_up, y);
   MMFUSE_CUDA_BACKEND(op, stream, detail::swiglu_backward_fp8_cuda(dy, q, scale_inv, d_gate_up, y, stream));

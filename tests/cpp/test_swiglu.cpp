@@ -267,13 +267,14 @@ void run_backward_case(int64_t T, int64_t I, int64_t pad, std::mt19937_64& rng, 
   std::vector<S> x = packed_input<S>(T, C, C, rng, false);
   std::vector<uint8_t> q(size_t(std::max<int64_t>(1, T * C)));
   std::vector<float> si(size_t(std::max<int64_t>(1, T * tiles)));
-  TensorView qv = host_view(q.data(), DType::kFloat8E4M3, {T, C}), sv = host_view(si.data(), DType::kFloat32, {T, tiles});
+  TensorView qv = host_view(q.data(), DType::kFloat8E4M3, {T, C});
+  TensorView sv = host_view(si.data(), DType::kFloat32, {T, tiles});
   swiglu_pack_fp8(host_view(x.data(), dtype_of<S>(), {T, C}), qv, sv, nullptr);
   std::vector<S> unpacked(size_t(std::max<int64_t>(1, T * C)));
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < C; ++j)
-      unpacked[size_t(t * C + j)] =
-          from_double<S>(double(fp8_to_float(q[size_t(t * C + j)], true)) * si[size_t(t * tiles + j / kSwigluPackTile)]);
+      unpacked[size_t(t * C + j)] = from_double<S>(double(fp8_to_float(q[size_t(t * C + j)], true)) *
+                                                   si[size_t(t * tiles + j / kSwigluPackTile)]);
   const std::vector<S> dy = random_vec<S>(size_t(std::max<int64_t>(1, T * ldy)), rng);
   std::vector<S> want_dg(size_t(std::max<int64_t>(1, T * ld))), want_y(dy.size()), got_dg(want_dg.size()),
       got_y(dy.size()), dy_ip = dy, dg_ip(want_dg.size());
@@ -407,7 +408,8 @@ TEST(SwigluPackFp8, BadInputNamesTheProblem) {
   }, "swiglu_backward_fp8: y overlaps d_gate_up");
   expect_error([&] {
     TensorView y_shift = host_view(dy.data() + 1, DType::kBFloat16, {3, 3});
-    TensorView dy3 = host_view(dy.data(), DType::kBFloat16, {3, 3}), q3 = host_view(q.data(), DType::kFloat8E4M3, {3, 6});
+    TensorView dy3 = host_view(dy.data(), DType::kBFloat16, {3, 3});
+    TensorView q3 = host_view(q.data(), DType::kFloat8E4M3, {3, 6});
     TensorView s3 = host_view(si.data(), DType::kFloat32, {3, 1}), dg3 = host_view(dg.data(), DType::kBFloat16, {3, 6});
     swiglu_backward_fp8(dy3, q3, s3, dg3, y_shift, nullptr);
   }, "swiglu_backward_fp8: y overlaps dy");

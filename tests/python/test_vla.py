@@ -129,8 +129,9 @@ def test_fp8_expert_equals_the_fp8_linear_composition(device):
         y.backward(dy)
         gu.grad = dn.grad = None
         kw = dict(scaling="delayed")
-        a = PackedSwiglu.apply(fp8.fp8_linear(x2, gu, x_state=states["gate_up0_x_state"], w_state=states["gate_up0_w_state"],
-                                  g_state=states["gate_up0_g_state"], **kw))
+        a = PackedSwiglu.apply(fp8.fp8_linear(x2, gu, x_state=states["gate_up0_x_state"],
+                                              w_state=states["gate_up0_w_state"], g_state=states["gate_up0_g_state"],
+                                              **kw))
         want = fp8.fp8_linear(a, dn, x_state=states["down0_x_state"], w_state=states["down0_w_state"],
                               g_state=states["down0_g_state"], **kw)
         want.backward(dy)
