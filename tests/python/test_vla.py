@@ -38,11 +38,14 @@ def test_matches_the_reference(device, action):
         assert err <= (1e-5 if dtype == torch.float32 else 5e-2), (name, err)
 
 
-def test_compiled_model_matches_eager():
-    # the in-place pieces (mRoPE on the q/k/v output, the expert backward) under torch.compile
+@pytest.mark.parametrize("fp8", [False, True])
+def test_compiled_model_matches_eager(fp8):
+    # the in-place pieces (mRoPE on the q/k/v output, the expert backward) and the fp8 expert (its
+    # packed gate/up output) under torch.compile
     cfg = preset("tiny")
-    batch = make_batch(cfg, 2, 40, 5, "cpu", torch.float32, seed=4)
-    ours = VLADecoder(cfg, device="cpu", dtype=torch.float32)
+    dtype = torch.bfloat16 if fp8 else torch.float32
+    batch = make_batch(cfg, 2, 40, 5, "cpu", dtype, seed=4)
+    ours = VLADecoder(cfg, fp8=fp8, fp8_scaling="dynamic", device="cpu", dtype=dtype)
     for p in ours.parameters():
         torch.nn.init.normal_(p, std=0.2)
     grads = []
@@ -50,7 +53,7 @@ def test_compiled_model_matches_eager():
         for p in ours.parameters():
             p.grad = None
         out = fn(batch.embeds, batch.positions, 5)
-        out.square().sum().backward()
+        out.float().square().sum().backward()
         grads.append([out.detach()] + [p.grad.clone() for p in ours.parameters()])
     for want, got in zip(*grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
