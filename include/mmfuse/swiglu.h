@@ -31,7 +31,7 @@ MMFUSE_API void swiglu_backward(const TensorView& dy, const TensorView& gate_up,
 // (amax over the tile's finite values; k = 0 for a tile without one): q = e4m3(x * 2^k), rounded to
 // nearest even (Inf and NaN to NaN, the fp8 rule of SEMANTICS.md), scale_inv[t, c] = 2^-k. Power-of-two
 // scales keep the product exact: the only rounding is the e4m3 one (relative error <= 2^-4 for the
-// tile's values above amax * 2^-6, absolute <= amax * 2^-13 below). Tiles, not one scale a tensor: no
+// tile's values above amax / 2^14, absolute <= amax / 2^17 below). Tiles, not one scale a tensor: no
 // amax pass first, and an outlier costs only its own 128 values their precision.
 constexpr int64_t kSwigluPackTile = 128;
 MMFUSE_API void swiglu_pack_fp8(const TensorView& gate_up, TensorView& q, TensorView& scale_inv, cudaStream_t stream);

@@ -10,6 +10,7 @@ GEMM, SwiGLU, down one dual GEMM) read and write two contiguous blocks with no c
 layer's ``rms_norm`` reads that grouped output back into token order. The expert block saves its input
 and the gate/up output only; the SwiGLU output is recomputed in the backward, in place: the saved
 gate/up output becomes its own gradient (eager; a second backward through the same graph is refused).
+An fp8 expert saves its gate/up output packed in fp8 instead (``swiglu_pack_fp8``).
 
 Weights load from the reference model of ``mmfuse-bench train`` (:meth:`VLADecoder.load_reference`).
 """
@@ -63,11 +64,11 @@ class _MoTExpertsFn(torch.autograd.Function):
 
 
 class _RotateQKFn(torch.autograd.Function):
-    """mRoPE from the positions on the q and k heads of the fused q/k/v GEMM output ``[B * L, (heads + 2 kv) D]``,
-    in place: the attention then saves views of that one buffer, not rotated copies of q and k next to
-    it. In place on the GEMM's own output, not on a view of it: a view marked dirty makes autograd copy
-    the whole gradient three times in the backward (CopySlices). The backward writes the adjoint
-    rotation into a new gradient (the incoming one is not ours)."""
+    """mRoPE from the positions on the q and k heads of the fused q/k/v GEMM output
+    ``[B * L, (heads + 2 kv) D]``, in place: the attention then saves views of that one buffer, not
+    rotated copies of q and k next to it. In place on the GEMM's own output, not on a view of it: a view
+    marked dirty makes autograd copy the whole gradient three times in the backward (CopySlices). The
+    backward writes the adjoint rotation into a new gradient (the incoming one is not ours)."""
 
     @staticmethod
     def forward(ctx, qkv, positions, inv_freq, section, heads, kv_heads, B, L):
