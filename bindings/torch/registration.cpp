@@ -132,8 +132,9 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
 
 // Fused linear cross-entropy (python/mmfuse/linear_cross_entropy.py, where its CPU and CUDA
 // implementations are, as chunks of GEMMs and reductions): (loss: a scalar, or [T] with
-// reduction="none"; and with compute_grads for "mean" / "sum" the gradients d_hidden, d_weight (fp32),
-// d_bias (fp32), else empty). softcap 0: none. fp32_logits false: the logits in hidden's dtype.
+// reduction="none"; and with compute_grads for "mean" / "sum" the gradients d_hidden, d_weight (weight's
+// dtype, rounded once from fp32 sums), d_bias (fp32), else empty). softcap 0: none. fp32_logits false: the
+// logits in hidden's dtype.
 TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.set_python_module("mmfuse.linear_cross_entropy");
   m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, int ignore_index, "

@@ -69,6 +69,21 @@ def test_all_tokens_ignored_and_no_grad_mode():
     assert out[1].numel() == 0 and out[2].numel() == 0  # no gradients computed
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_second_backward_gives_the_same_gradients(dtype):
+    # the backward scales the weight gradient in place: on a copy, never on the saved gradient (an fp32
+    # weight's .to() would be the saved tensor itself), so a retained graph gives the same gradients again
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(37, 16, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(50, 16, generator=g).to(dtype).requires_grad_()
+    y = torch.randint(0, 50, (37,), generator=g)
+    loss = 3.0 * mmfuse.linear_cross_entropy(h, w, y, chunk_tokens=8)
+    first = torch.autograd.grad(loss, (h, w), retain_graph=True)
+    second = torch.autograd.grad(loss, (h, w))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
 def test_opcheck_and_compile():
     h = torch.randn(10, 16, requires_grad=True)
     w = torch.randn(19, 16, requires_grad=True)
