@@ -24,17 +24,27 @@ Tensor swiglu_impl(const Tensor& gate_up_in) {
   return out;
 }
 
-std::tuple<Tensor, Tensor> swiglu_backward_impl(const Tensor& dy_in, const Tensor& gate_up_in, bool recompute) {
-  const Tensor dy = kernel_ready(dy_in), gate_up = kernel_ready(gate_up_in);
-  const int64_t T = rows_of(gate_up), I = half_cols(gate_up);
-  Tensor dgu = at::empty({T, 2 * I}, gate_up.options());
-  Tensor y = at::empty({recompute ? T : 0, I}, gate_up.options());
-  guarded("swiglu_backward", [&] {
+// The backward's outputs, d_gate_up [T, 2I] and y ([T, I], or [0, I] without recompute), with `opts`,
+// written by run(d_gate_up, y, stream) under op's error handling, on the device and stream of `on`.
+template <class Run>
+std::tuple<Tensor, Tensor> backward_outputs(const char* op, int64_t T, int64_t I, bool recompute,
+                                            const at::TensorOptions& opts, const Tensor& on, Run run) {
+  Tensor dgu = at::empty({T, 2 * I}, opts);
+  Tensor y = at::empty({recompute ? T : 0, I}, opts);
+  guarded(op, [&] {
     TensorView dv = view(dgu, "d_gate_up"), yv = recompute ? view(y, "y") : TensorView{};
-    c10::OptionalDeviceGuard g(gate_up.device());
-    swiglu_backward(view(dy, "dy"), view(gate_up, "gate_up"), dv, yv, current_stream(gate_up));
+    c10::OptionalDeviceGuard g(on.device());
+    run(dv, yv, current_stream(on));
   });
   return {dgu, y};
+}
+
+std::tuple<Tensor, Tensor> swiglu_backward_impl(const Tensor& dy_in, const Tensor& gate_up_in, bool recompute) {
+  const Tensor dy = kernel_ready(dy_in), gate_up = kernel_ready(gate_up_in);
+  return backward_outputs("swiglu_backward", rows_of(gate_up), half_cols(gate_up), recompute, gate_up.options(),
+                          gate_up, [&](TensorView& dv, TensorView& yv, cudaStream_t st) {
+                            swiglu_backward(view(dy, "dy"), view(gate_up, "gate_up"), dv, yv, st);
+                          });
 }
 
 // In place: no contiguous copy to write into (the core refuses a last dim with a stride).
@@ -62,15 +72,10 @@ std::tuple<Tensor, Tensor> swiglu_pack_fp8_impl(const Tensor& gate_up_in) {
 std::tuple<Tensor, Tensor> swiglu_backward_fp8_impl(const Tensor& dy_in, const Tensor& q_in, const Tensor& si_in,
                                                      bool recompute) {
   const Tensor dy = kernel_ready(dy_in), q = kernel_ready(q_in), si = kernel_ready(si_in);
-  const int64_t T = rows_of(q), I = half_cols(q);
-  Tensor dgu = at::empty({T, 2 * I}, dy.options());
-  Tensor y = at::empty({recompute ? T : 0, I}, dy.options());
-  guarded("swiglu_backward_fp8", [&] {
-    TensorView dv = view(dgu, "d_gate_up"), yv = recompute ? view(y, "y") : TensorView{};
-    c10::OptionalDeviceGuard g(q.device());
-    swiglu_backward_fp8(view(dy, "dy"), view(q, "q"), view(si, "scale_inv"), dv, yv, current_stream(q));
-  });
-  return {dgu, y};
+  return backward_outputs("swiglu_backward_fp8", rows_of(q), half_cols(q), recompute, dy.options(), q,
+                          [&](TensorView& dv, TensorView& yv, cudaStream_t st) {
+                            swiglu_backward_fp8(view(dy, "dy"), view(q, "q"), view(si, "scale_inv"), dv, yv, st);
+                          });
 }
 
 void register_swiglu(torch::Library& m) {
