@@ -84,6 +84,23 @@ def test_second_backward_gives_the_same_gradients(dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("groups", [1, 4])
+def test_weight_gradient_groups_agree(groups, monkeypatch):
+    # the weight gradient's GEMM over `groups` chunks at once (the bench's row): the same sums, grouped
+    import importlib
+
+    lce = importlib.import_module("mmfuse.linear_cross_entropy")
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(45, 16, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(30, 16, generator=g).bfloat16().requires_grad_()
+    y = torch.randint(0, 30, (45,), generator=g)
+    want = torch.autograd.grad(mmfuse.linear_cross_entropy(h, w, y, chunk_tokens=4), (h, w))
+    monkeypatch.setattr(lce, "DW_CHUNKS", groups)
+    got = torch.autograd.grad(mmfuse.linear_cross_entropy(h, w, y, chunk_tokens=4), (h, w))
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-2, atol=1e-4)
+
+
 def test_opcheck_and_compile():
     h = torch.randn(10, 16, requires_grad=True)
     w = torch.randn(19, 16, requires_grad=True)
