@@ -2,13 +2,14 @@
 vision-language expert's 15360 x 11008 and the action expert's 1024 x 2048), forward and backward,
 against ``F.silu(gate) * up`` in eager PyTorch and under torch.compile, with the copy ceiling of the
 same run. Bytes: forward reads gate_up, writes y; backward reads gate_up and dy, writes d_gate_up (and,
-as the expert block asks, y again)."""
+as the expert block asks, y again). The fp8 expert's pair: ``swiglu_pack_fp8`` (reads gate_up, writes its
+e4m3 bytes and tile scales) and ``swiglu_backward_fp8`` (reads those and dy, writes d_gate_up)."""
 
 import torch
 import torch.nn.functional as F
 
 import mmfuse
-from mmfuse.swiglu import swiglu_backward
+from mmfuse.swiglu import swiglu_backward, swiglu_backward_fp8, swiglu_pack_fp8
 
 from .common import Row, run_bandwidth_family, time_us
 
@@ -46,6 +47,18 @@ def _rows(T, inter, device, quick):
              Row(f"{tag} fwd  mmfuse", t_o, s_o, fwd_bytes, t_c, "vs compile", verdict)]
     t_o, s_o = time_us(lambda: swiglu_backward(dy, gu, True), device, **it)
     rows.append(Row(f"{tag} bwd  mmfuse (kernel, y recomputed)", t_o, s_o, bwd_bytes, verified=verdict))
+    q, si = swiglu_pack_fp8(gu)
+    unpacked = q.float() * si.repeat_interleave(128, dim=1)[:, :2 * inter]
+    packed_ok = bool(((unpacked - gu.float()).abs() <= gu.float().abs() / 16 + si.max() / 1024).all()) and \
+        torch.equal(swiglu_backward_fp8(dy, q, si, False)[0], swiglu_backward(dy, unpacked.to(dt), False)[0])
+    pack_bytes = T * 2 * inter * (es + 1) + si.numel() * 4
+    t_o, s_o = time_us(lambda: swiglu_pack_fp8(gu), device, **it)
+    rows.append(Row(f"{tag} pack mmfuse swiglu_pack_fp8", t_o, s_o, pack_bytes,
+                    verified="close" if packed_ok else "FAIL"))
+    t_o, s_o = time_us(lambda: swiglu_backward_fp8(dy, q, si, False), device, **it)
+    bwd8_bytes = T * 2 * inter * (1 + es) + si.numel() * 4 + T * inter * es
+    rows.append(Row(f"{tag} bwd  mmfuse from fp8 (kernel)", t_o, s_o, bwd8_bytes,
+                    verified="close" if packed_ok else "FAIL"))
     t_e, s_e = time_us(fb(_torch), device, **it)
     t_c, s_c = time_us(fb(compiled), device, **it)
     t_o, s_o = time_us(fb(mmfuse.swiglu), device, **it)
