@@ -133,13 +133,13 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
 // Fused linear cross-entropy (python/mmfuse/linear_cross_entropy.py, where its CPU and CUDA
 // implementations are, as chunks of GEMMs and reductions): (loss: a scalar, or [T] with
 // reduction="none"; and with compute_grads for "mean" / "sum" the gradients d_hidden, d_weight (weight's
-// dtype, rounded once from fp32 sums), d_bias (fp32), else empty). softcap 0: none. fp32_logits false: the
-// logits in hidden's dtype.
+// dtype, rounded once from fp32 sums; dw_fp32 false: accumulated in it), d_bias (fp32), else empty).
+// softcap 0: none. fp32_logits false: the logits in hidden's dtype.
 TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.set_python_module("mmfuse.linear_cross_entropy");
   m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, int ignore_index, "
         "str reduction, float label_smoothing, float z_loss, float softcap, int chunk_tokens, bool compute_grads, "
-        "bool fp32_logits=True) -> (Tensor, Tensor, Tensor, Tensor)");
+        "bool fp32_logits=True, bool dw_fp32=True) -> (Tensor, Tensor, Tensor, Tensor)");
   // one chunk's fp32 logits -> (loss [C] fp32, the gradient of sum(row_scale * loss) w.r.t. the logits
   // [C, V] in g_dtype, or [0, V] without want_grad); include/mmfuse/linear_cross_entropy.h
   m.def("linear_cross_entropy_logits_grad(Tensor z, Tensor labels, Tensor row_scale, int ignore_index, "

@@ -71,15 +71,16 @@ def _chunk_grad(z: Tensor, y: Tensor, valid: Tensor, label_smoothing: float, z_l
 
 
 def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk, row_weight,
-            need_grads, fp32_logits=True):
+            need_grads, fp32_logits=True, dw_fp32=True):
     """One pass over the token chunks: the per-token losses [T] (fp32), and where need_grads the
-    gradients of sum_t row_weight[t] * loss[t] (d_hidden in hidden's dtype, d_weight and d_bias fp32)."""
+    gradients of sum_t row_weight[t] * loss[t] (d_hidden in hidden's dtype, d_bias fp32, d_weight fp32 or,
+    without dw_fp32, accumulated in hidden's dtype)."""
     T, H = hidden.shape
     V = weight.shape[0]
     losses = torch.empty(T, dtype=torch.float32, device=hidden.device)
     dh = torch.empty_like(hidden) if need_grads else hidden.new_empty(0, H)
-    dw = torch.zeros(V, H, dtype=torch.float32, device=hidden.device) if need_grads else hidden.new_empty(0, H,
-                                                                                                          dtype=torch.float32)
+    acc = torch.float32 if dw_fp32 else hidden.dtype
+    dw = torch.zeros(V, H, dtype=acc, device=hidden.device) if need_grads else hidden.new_empty(0, H, dtype=acc)
     db = torch.zeros(V, dtype=torch.float32, device=hidden.device) if need_grads and bias is not None \
         else hidden.new_empty(0, dtype=torch.float32)
     fused = hidden.dtype != torch.float64  # the fused kernel (fp32 or 16-bit logits); fp64 (gradcheck): PyTorch ops
@@ -116,8 +117,8 @@ def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss,
                 dw += (gd.t() @ h).to(dw.dtype)
         if need_grads and fused:
             gg, hh = g_buf[:i1 - i0], hidden[i0:i1]
-            if hidden.dtype == torch.float32:
-                dw.addmm_(gg.t(), hh)  # into the accumulator, no [V, H] temporary
+            if hidden.dtype == torch.float32 or not dw_fp32:
+                dw.addmm_(gg.t(), hh)  # into the accumulator (fp32 sums, one rounding to its dtype), no temporary
             else:  # fp32 accumulation into dw: the dual GEMM's accumulate (g^T @ h)
                 empty = gg[:0, :0]
                 torch.ops.mmfuse.dual_gemm_out(gg, hh, empty, empty, dw, dw[:0, :0], True, False, True)
@@ -145,7 +146,8 @@ def _check(hidden, weight, labels, bias, reduction, label_smoothing, z_loss, sof
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, logit_softcap: Optional[float] = None,
-                         chunk_tokens: int = 1024, logits_dtype: Optional[torch.dtype] = torch.float32) -> Tensor:
+                         chunk_tokens: int = 1024, logits_dtype: Optional[torch.dtype] = torch.float32,
+                         weight_grad_dtype: Optional[torch.dtype] = torch.float32) -> Tensor:
     r"""``F.cross_entropy(F.linear(hidden, weight, bias).float(), labels)`` without the logits in memory.
 
     Args:
@@ -162,6 +164,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: O
             output: a finer loss than the unfused step's); hidden's dtype (or None): made in it, as
             ``F.linear`` does, then read in fp32 (the unfused step's own rounding, half the logits'
             memory traffic).
+        weight_grad_dtype: the weight gradient's accumulator over the chunks. ``torch.float32`` (default):
+            fp32 sums, rounded to the weight's dtype once; hidden's dtype (or None): accumulated in it, as
+            Liger-Kernel does (the GEMM's fp32 sums added to it and rounded once a group of two chunks, so
+            up to ``T / (2 * chunk_tokens)`` roundings), for ``V * H * 4`` bytes less peak memory and half
+            the accumulator's traffic.
         chunk_tokens: tokens a chunk; peak extra memory is about ``chunk_tokens * V * 4`` bytes (one
             chunk's fp32 logits), ``2 * chunk_tokens * V`` elements of hidden's dtype (two chunks' logit
             gradients, which the weight gradient's GEMM takes together) and the fp32 weight gradient
@@ -181,14 +188,17 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: O
         raise ValueError(f"mmfuse.linear_cross_entropy: logits_dtype: expected torch.float32 or hidden's dtype "
                          f"{hidden.dtype}, got {logits_dtype}")
     fp32 = logits_dtype == torch.float32
+    if weight_grad_dtype not in (None, torch.float32, hidden.dtype):
+        raise ValueError(f"mmfuse.linear_cross_entropy: weight_grad_dtype: expected torch.float32 or hidden's dtype "
+                         f"{hidden.dtype}, got {weight_grad_dtype}")
     loss = torch.ops.mmfuse.linear_cross_entropy(h2, weight, y2.long(), bias, ignore_index, reduction,
                                                  float(label_smoothing), float(z_loss), softcap, int(chunk_tokens),
-                                                 grads, fp32)[0]
+                                                 grads, fp32, weight_grad_dtype == torch.float32)[0]
     return loss.view(lead) if reduction == "none" else loss
 
 
 def _impl(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk,
-          compute_grads, fp32_logits=True):
+          compute_grads, fp32_logits=True, dw_fp32=True):
     """(loss, d_hidden, d_weight, d_bias): for mean / sum with compute_grads, the gradients of the loss;
     else empty (with "none" the backward recomputes)."""
     need = reduction != "none" and compute_grads
@@ -197,7 +207,7 @@ def _impl(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing
     with torch.no_grad():
         losses, dh, dw, db = _passes(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
                                      labels, ignore_index, label_smoothing, z_loss, softcap, chunk, scale, need,
-                                     fp32_logits)
+                                     fp32_logits, dw_fp32)
     loss = losses if reduction == "none" else (losses.sum() * scale)
     # the weight gradient rounded to the weight's dtype here, once: the fp32 accumulator is not kept
     # for the backward (1.16 GiB at an LM head of 151936 x 2048)
@@ -206,7 +216,7 @@ def _impl(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing
 
 @torch.library.register_fake("mmfuse::linear_cross_entropy")
 def _fake(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk,
-          compute_grads, fp32_logits=True):
+          compute_grads, fp32_logits=True, dw_fp32=True):
     T, H = hidden.shape
     V = weight.shape[0]
     loss = hidden.new_empty(T if reduction == "none" else (), dtype=torch.float32)
@@ -227,9 +237,10 @@ def _logits_grad_out_fake(z, labels, row_scale, ignore_index, label_smoothing, z
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk, _, fp32 = inputs
+    hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk = inputs[:10]
+    fp32, dw32 = (tuple(inputs[11:]) + (True, True))[:2]  # the defaults where a caller left them out
     _, dh, dw, db = output
-    ctx.params = (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk, fp32)
+    ctx.params = (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk, fp32, dw32)
     ctx.has_bias = bias is not None
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, labels, bias)
@@ -238,18 +249,18 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss, _gdh, _gdw, _gdb):
-    ignore_index, reduction, label_smoothing, z_loss, softcap, chunk, fp32 = ctx.params
+    ignore_index, reduction, label_smoothing, z_loss, softcap, chunk, fp32, dw32 = ctx.params
     if reduction == "none":
         hidden, weight, labels, bias = ctx.saved_tensors
         with torch.no_grad():
             _, dh, dw, db = _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk,
-                                    grad_loss.float(), True, fp32)
-        return dh, dw.to(weight.dtype), None, (db.to(bias.dtype) if ctx.has_bias else None), *([None] * 8)
+                                    grad_loss.float(), True, fp32, dw32)
+        return dh, dw.to(weight.dtype), None, (db.to(bias.dtype) if ctx.has_bias else None), *([None] * 9)
     dh, dw, db, weight, bias = ctx.saved_tensors
     s = grad_loss.float()
     # the weight gradient (already in the weight's dtype) scaled into a new tensor: the saved one stays
     # as it is for a retained graph
-    return dh * s, dw * s, None, (db * s).to(bias.dtype) if ctx.has_bias else None, *([None] * 8)
+    return dh * s, dw * s, None, (db * s).to(bias.dtype) if ctx.has_bias else None, *([None] * 9)
 
 
 torch.library.register_autograd("mmfuse::linear_cross_entropy", _backward, setup_context=_setup_context)

@@ -24,13 +24,15 @@ def _reference(h, w, y, b, ignore_index, reduction, ls, z_loss, softcap):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 logits"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 logits", "bf16 weight gradient"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("opts", [dict(), dict(ls=0.1), dict(z_loss=1e-3, softcap=30.0), dict(bias=True, ls=0.05)])
 def test_matches_float64(device, dtype, reduction, opts):
-    logits_dtype = torch.float32
+    logits_dtype = weight_grad_dtype = torch.float32
     if dtype == "bf16 logits":  # the logits in hidden's dtype, as F.linear makes them
         dtype = logits_dtype = torch.bfloat16
+    if dtype == "bf16 weight gradient":  # accumulated in bf16 over the chunk groups
+        dtype = weight_grad_dtype = torch.bfloat16
     g = torch.Generator().manual_seed(len(reduction) + len(opts))
     T, H, V = 37, 24, 101
     h = torch.randn(T, H, generator=g).to(dtype)
@@ -43,7 +45,8 @@ def test_matches_float64(device, dtype, reduction, opts):
     ins = [t.detach().to(device).requires_grad_() for t in leaves]
     loss = mmfuse.linear_cross_entropy(ins[0], ins[1], y.to(device), ins[2] if b is not None else None,
                                        reduction=reduction, label_smoothing=ls, z_loss=zl,
-                                       logit_softcap=sc or None, chunk_tokens=8, logits_dtype=logits_dtype)
+                                       logit_softcap=sc or None, chunk_tokens=8, logits_dtype=logits_dtype,
+                                       weight_grad_dtype=weight_grad_dtype)
     gl = torch.randn(loss.shape, generator=g).to(device) if reduction == "none" else torch.tensor(1.7, device=device)
     (loss * gl).sum().backward()
     ref_ins = [t.detach().double().requires_grad_() for t in leaves]
@@ -52,6 +55,7 @@ def test_matches_float64(device, dtype, reduction, opts):
     # bf16 operands: the logits are exact fp32 products of the rounded inputs; the gradients' GEMMs take
     # the logits' gradient rounded to bf16 (2^-8 relative)
     # bf16 logits: each rounded to 2^-9 relative before the softmax (the unfused bf16 step's own error)
+    # bf16 weight gradient: one more rounding (2^-9) a group of two 8-token chunks, three groups here
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(loss.double().cpu(), ref.detach(), rtol=tol, atol=tol)
     for got, want in zip(ins, ref_ins):
@@ -71,8 +75,8 @@ def test_all_tokens_ignored_and_no_grad_mode():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_second_backward_gives_the_same_gradients(dtype):
-    # the backward scales the weight gradient in place: on a copy, never on the saved gradient (an fp32
-    # weight's .to() would be the saved tensor itself), so a retained graph gives the same gradients again
+    # the backward scales the saved weight gradient into a new tensor, never in place (an fp32 weight's
+    # .to() would be the saved tensor itself), so a retained graph gives the same gradients again
     g = torch.Generator().manual_seed(3)
     h = torch.randn(37, 16, generator=g).to(dtype).requires_grad_()
     w = torch.randn(50, 16, generator=g).to(dtype).requires_grad_()
@@ -108,6 +112,9 @@ def test_opcheck_and_compile():
     for red in ("mean", "none"):
         torch.library.opcheck(torch.ops.mmfuse.linear_cross_entropy.default,
                               (h, w, y, None, -100, red, 0.0, 0.0, 0.0, 4, red == "mean"))
+    hb, wb = h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    torch.library.opcheck(torch.ops.mmfuse.linear_cross_entropy.default,
+                          (hb, wb, y, None, -100, "mean", 0.0, 0.0, 0.0, 4, True, True, False))
     z = torch.randn(6, 19)
     rs = torch.rand(6)
     for want_grad in (True, False):
@@ -141,6 +148,8 @@ def test_bad_input():
         mmfuse.linear_cross_entropy(h, w.double(), torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="logits_dtype: expected torch.float32 or hidden's dtype torch.float32"):
         mmfuse.linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), logits_dtype=torch.float16)
+    with pytest.raises(ValueError, match="weight_grad_dtype: expected torch.float32 or hidden's dtype torch.float32"):
+        mmfuse.linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), weight_grad_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="reduction: expected one of"):
         mmfuse.linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), reduction="avg")
     with pytest.raises(ValueError, match=r"labels\[2\] = 11: expected a class in \[0, 11\) or ignore_index -100"):

@@ -62,6 +62,9 @@ def run(device: str, quick: bool = False) -> dict:
                  lambda a, b, c: mmfuse.linear_cross_entropy(a, b, c, logits_dtype=a.dtype)),
                 # the weight gradient's accumulator passes (default: every 2 chunks)
                 ("mmfuse, weight gradient every 4 chunks", _dw_over(4)),
+                # the weight gradient accumulated in bf16 (as Liger-Kernel does): no fp32 [V, H] buffer
+                ("mmfuse, weight gradient in bf16",
+                 lambda a, b, c: mmfuse.linear_cross_entropy(a, b, c, weight_grad_dtype=a.dtype)),
                 ("mmfuse.linear_cross_entropy", lambda a, b, c: mmfuse.linear_cross_entropy(a, b, c))]
     rows = []
     want = None
