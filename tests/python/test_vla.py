@@ -95,6 +95,20 @@ def test_experts_backward_in_place_refuses_a_second_backward():
         y.sum().backward()
 
 
+def test_fp8_expert_refuses_a_second_backward():
+    # the fp8 expert lets go of its largest saved tensors during the backward: a retained graph cannot
+    # run twice, and says why
+    torch.manual_seed(0)
+    e = MoTExperts(32, (48, 16), fp8=True, dtype=torch.bfloat16)
+    for p in e.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(20, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = e(x, 20)
+    y.float().sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same graph"):
+        y.float().sum().backward()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_expert_equals_the_fp8_linear_composition(device):
     """An fp8 expert (_Fp8ExpertFn: the activation quantized from the gate/up output, that output saved

@@ -97,7 +97,10 @@ class _Fp8ExpertFn(torch.autograd.Function):
     (e4m3 operands, delayed or dynamic scaling), the SwiGLU activation quantized straight from the gate/up
     output (``swiglu_x``: it is never written in bf16). Saved for the backward: x's and the activation's
     fp8 copies and the gate/up output packed in fp8 (``swiglu_pack_fp8``: 128-column tiles with their own
-    power-of-two scales, half the bytes of bf16), from which the backward computes the SwiGLU gradient."""
+    power-of-two scales, half the bytes of bf16), from which the backward computes the SwiGLU gradient.
+    Eager, the tensors only the down projection's backward and the SwiGLU gradient read are held on ctx
+    and let go once read, before the gate/up backward makes its gradient copies (the step's peak);
+    so a second backward through the same graph is refused. Traced, the graph sets the lifetimes."""
 
     @staticmethod
     def forward(ctx, x, gate_up, down, states, grad_e5m2, dynamic):
@@ -108,21 +111,35 @@ class _Fp8ExpertFn(torch.autograd.Function):
             g, down, None, dn_x, dn_w, None, None, None, dynamic, True, True, False, True)
         g_q, g_si = torch.ops.mmfuse.swiglu_pack_fp8(g)
         del g
-        ctx.save_for_backward(x_qt, x_si, gu_qt, gu_si, g_q, g_si, a_qt, a_si, dn_qt, dn_si, gu_g, dn_g)
+        first = (g_q, g_si, a_qt, a_si, dn_qt, dn_si)
+        ctx.traced = torch.compiler.is_compiling()
+        if ctx.traced:
+            ctx.save_for_backward(x_qt, x_si, gu_qt, gu_si, gu_g, dn_g, *first)
+        else:
+            ctx.save_for_backward(x_qt, x_si, gu_qt, gu_si, gu_g, dn_g)
+            ctx.first = first
         ctx.grad_e5m2, ctx.dynamic, ctx.k = grad_e5m2, dynamic, (x.shape[1], down.shape[1])
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_qt, x_si, gu_qt, gu_si, g_q, g_si, a_qt, a_si, dn_qt, dn_si, gu_g, dn_g = ctx.saved_tensors
+        x_qt, x_si, gu_qt, gu_si, gu_g, dn_g, *first = ctx.saved_tensors
+        if not ctx.traced:
+            if ctx.first is None:
+                raise RuntimeError("mmfuse fp8 expert: its backward lets go of its saved tensors as it reads them: a "
+                                   "second backward through the same graph (retain_graph=True) is not supported")
+            first, ctx.first = list(ctx.first), None
+        g_q, g_si, a_qt, a_si, dn_qt, dn_si = first
+        del first
         need_dx, need_dgu, need_ddn = ctx.needs_input_grad[:3]
         H, inter = ctx.k
         e5m2, dynamic = ctx.grad_e5m2, ctx.dynamic
         da, ddown, _ = torch.ops.mmfuse.fp8_linear_backward(
             dy.to(torch.bfloat16), a_qt, a_si, dn_qt, dn_si, dn_g, inter, dynamic, e5m2, True, need_ddn, False, False,
             None, None, False)
+        del a_qt, a_si, dn_qt, dn_si
         dg, _ = torch.ops.mmfuse.swiglu_backward_fp8(da, g_q, g_si, False)
-        del da
+        del da, g_q, g_si
         dx, dgu, _ = torch.ops.mmfuse.fp8_linear_backward(
             dg, x_qt, x_si, gu_qt, gu_si, gu_g, H, dynamic, e5m2, need_dx, need_dgu, False, False, None, None, False)
         return (dx if need_dx else None, dgu if need_dgu else None, ddown if need_ddn else None, None, None, None)
