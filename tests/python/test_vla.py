@@ -105,8 +105,39 @@ def test_fp8_expert_refuses_a_second_backward():
     x = torch.randn(20, 32, dtype=torch.bfloat16, requires_grad=True)
     y = e(x, 20)
     y.float().sum().backward(retain_graph=True)
+    if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
+        # a torch that cannot tell whether saved-tensor hooks are active: everything is saved as usual
+        first = x.grad.clone()
+        x.grad = None
+        y.float().sum().backward()
+        assert torch.equal(x.grad, first)
+        return
     with pytest.raises(RuntimeError, match="second backward through the same graph"):
         y.float().sum().backward()
+
+
+def test_fp8_expert_under_checkpointing_matches_plain():
+    # under activation checkpointing (saved-tensor hooks) the fp8 expert saves everything through
+    # save_for_backward, so the checkpoint drops and recomputes it: the gradients of the plain run
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(1)
+    e = MoTExperts(32, (48, 16), fp8=True, scaling="dynamic", dtype=torch.bfloat16)
+    for p in e.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(20, 32, dtype=torch.bfloat16)
+    grads = []
+    for ck in (False, True):
+        xi = x.clone().requires_grad_()
+        e.zero_grad()
+        y = checkpoint(e, xi, 20, use_reentrant=False) if ck else e(xi, 20)
+        node = next(f for f, _ in y.grad_fn.next_functions if type(f).__name__ == "_Fp8ExpertFnBackward")
+        if hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):  # else it always saves everything
+            assert node.saved_all == ck
+        y.float().square().sum().backward()
+        grads.append([xi.grad] + [p.grad.clone() for p in e.parameters() if p.grad is not None])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -92,6 +92,13 @@ class _RotateQKFn(torch.autograd.Function):
         return d.view(B * L, -1), None, None, None, None, None, None, None
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (activation checkpointing, offloading) are active, so that every saved
+    tensor must go through save_for_backward; assumed so where this torch cannot tell."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
 class _Fp8ExpertFn(torch.autograd.Function):
     """One SwiGLU expert in fp8, x [M, H] -> y [M, H]: gate/up and down through mmfuse's fp8 linear ops
     (e4m3 operands, delayed or dynamic scaling), the SwiGLU activation quantized straight from the gate/up
@@ -100,7 +107,8 @@ class _Fp8ExpertFn(torch.autograd.Function):
     power-of-two scales, half the bytes of bf16), from which the backward computes the SwiGLU gradient.
     Eager, the tensors only the down projection's backward and the SwiGLU gradient read are held on ctx
     and let go once read, before the gate/up backward makes its gradient copies (the step's peak);
-    so a second backward through the same graph is refused. Traced, the graph sets the lifetimes."""
+    so a second backward through the same graph is refused. Traced, or under saved-tensor hooks
+    (checkpointing, offloading), they are saved as usual."""
 
     @staticmethod
     def forward(ctx, x, gate_up, down, states, grad_e5m2, dynamic):
@@ -112,8 +120,8 @@ class _Fp8ExpertFn(torch.autograd.Function):
         g_q, g_si = torch.ops.mmfuse.swiglu_pack_fp8(g)
         del g
         first = (g_q, g_si, a_qt, a_si, dn_qt, dn_si)
-        ctx.traced = torch.compiler.is_compiling()
-        if ctx.traced:
+        ctx.saved_all = torch.compiler.is_compiling() or _saved_tensor_hooks_active()
+        if ctx.saved_all:
             ctx.save_for_backward(x_qt, x_si, gu_qt, gu_si, gu_g, dn_g, *first)
         else:
             ctx.save_for_backward(x_qt, x_si, gu_qt, gu_si, gu_g, dn_g)
@@ -124,7 +132,7 @@ class _Fp8ExpertFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x_qt, x_si, gu_qt, gu_si, gu_g, dn_g, *first = ctx.saved_tensors
-        if not ctx.traced:
+        if not ctx.saved_all:
             if ctx.first is None:
                 raise RuntimeError("mmfuse fp8 expert: its backward lets go of its saved tensors as it reads them: a "
                                    "second backward through the same graph (retain_graph=True) is not supported")
