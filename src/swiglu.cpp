@@ -73,7 +73,7 @@ void swiglu_pack_fp8(const TensorView& gate_up, TensorView& q, TensorView& scale
   const char* op = "swiglu_pack_fp8";
   const int64_t I = check_gate_up(op, gate_up), T = gate_up.shape[0];
   MMFUSE_CHECK(gate_up.dtype != DType::kFloat64, op, ": gate_up: expected bfloat16, float16 or float32, got float64");
-  const int64_t tiles = (2 * I + kSwigluPackTile - 1) / kSwigluPackTile;
+  const int64_t tiles = swiglu_pack_tiles(2 * I);
   check_matrix(op, q, "q", T, 2 * I, DType::kFloat8E4M3, gate_up.device);
   check_matrix(op, scale_inv, "scale_inv", T, tiles, DType::kFloat32, gate_up.device);
   check_not_expanded(op, q, "q");
@@ -93,7 +93,7 @@ void swiglu_backward_fp8(const TensorView& dy, const TensorView& q, const Tensor
                ": q: expected a 2-D tensor [T, 2I] (swiglu_pack_fp8's), got ",
                q.defined() ? shape_str(q) : std::string("none"));
   const int64_t T = q.shape[0], I = q.shape[1] / 2;
-  const int64_t tiles = (2 * I + kSwigluPackTile - 1) / kSwigluPackTile;
+  const int64_t tiles = swiglu_pack_tiles(2 * I);
   const Device dev = q.device;
   check_matrix(op, q, "q", T, 2 * I, DType::kFloat8E4M3, dev);
   check_matrix(op, scale_inv, "scale_inv", T, tiles, DType::kFloat32, dev);

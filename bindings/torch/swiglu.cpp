@@ -60,7 +60,7 @@ std::tuple<Tensor, Tensor> swiglu_pack_fp8_impl(const Tensor& gate_up_in) {
   const Tensor gate_up = kernel_ready(gate_up_in);
   const int64_t T = rows_of(gate_up), C2 = 2 * half_cols(gate_up);
   Tensor q = at::empty({T, C2}, gate_up.options().dtype(at::kFloat8_e4m3fn));
-  Tensor si = at::empty({T, (C2 + kSwigluPackTile - 1) / kSwigluPackTile}, gate_up.options().dtype(at::kFloat));
+  Tensor si = at::empty({T, swiglu_pack_tiles(C2)}, gate_up.options().dtype(at::kFloat));
   guarded("swiglu_pack_fp8", [&] {
     TensorView qv = view(q, "q"), sv = view(si, "scale_inv");
     c10::OptionalDeviceGuard g(gate_up.device());

@@ -34,6 +34,8 @@ MMFUSE_API void swiglu_backward(const TensorView& dy, const TensorView& gate_up,
 // tile's values above amax / 2^14, absolute <= amax / 2^17 below). Tiles, not one scale a tensor: no
 // amax pass first, and an outlier costs only its own 128 values their precision.
 constexpr int64_t kSwigluPackTile = 128;
+// scale_inv's columns for a gate_up of `cols` columns.
+constexpr int64_t swiglu_pack_tiles(int64_t cols) { return (cols + kSwigluPackTile - 1) / kSwigluPackTile; }
 MMFUSE_API void swiglu_pack_fp8(const TensorView& gate_up, TensorView& q, TensorView& scale_inv, cudaStream_t stream);
 
 // swiglu_backward from the packed input: gate_up = q * scale_inv (exact), then the formulas above in

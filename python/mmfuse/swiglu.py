@@ -44,6 +44,10 @@ def swiglu_backward_(dy: Tensor, gate_up: Tensor, recompute: bool = True) -> Non
         torch.autograd.graph.increment_version(dy)
 
 
+# Columns a scale of swiglu_pack_fp8 covers (include/mmfuse/swiglu.h kSwigluPackTile).
+PACK_TILE = 128
+
+
 def swiglu_pack_fp8(gate_up: Tensor) -> Tuple[Tensor, Tensor]:
     """The SwiGLU input kept for the backward in one byte an element: ``gate_up [T, 2I]`` (bf16, fp16 or
     fp32) -> ``(q [T, 2I] float8_e4m3fn, scale_inv [T, ceil(2I / 128)] float32)``, each row's 128-column
@@ -62,7 +66,7 @@ def swiglu_backward_fp8(dy: Tensor, q: Tensor, scale_inv: Tensor, recompute: boo
 def _swiglu_pack_fp8_fake(gate_up):
     T, two_i = gate_up.shape
     return (gate_up.new_empty(T, two_i, dtype=torch.float8_e4m3fn),
-            gate_up.new_empty(T, (two_i + 127) // 128, dtype=torch.float32))
+            gate_up.new_empty(T, -(-two_i // PACK_TILE), dtype=torch.float32))
 
 
 @torch.library.register_fake("mmfuse::swiglu_backward_fp8")

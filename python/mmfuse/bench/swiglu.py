@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import mmfuse
-from mmfuse.swiglu import swiglu_backward, swiglu_backward_fp8, swiglu_pack_fp8
+from mmfuse.swiglu import PACK_TILE, swiglu_backward, swiglu_backward_fp8, swiglu_pack_fp8
 
 from .common import Row, run_bandwidth_family, time_us
 
@@ -48,7 +48,7 @@ def _rows(T, inter, device, quick):
     t_o, s_o = time_us(lambda: swiglu_backward(dy, gu, True), device, **it)
     rows.append(Row(f"{tag} bwd  mmfuse (kernel, y recomputed)", t_o, s_o, bwd_bytes, verified=verdict))
     q, si = swiglu_pack_fp8(gu)
-    unpacked = q.float() * si.repeat_interleave(128, dim=1)[:, :2 * inter]
+    unpacked = q.float() * si.repeat_interleave(PACK_TILE, dim=1)[:, :2 * inter]
     packed_ok = bool(((unpacked - gu.float()).abs() <= gu.float().abs() / 16 + si.max() / 1024).all()) and \
         torch.equal(swiglu_backward_fp8(dy, q, si, False)[0], swiglu_backward(dy, unpacked.to(dt), False)[0])
     pack_bytes = T * 2 * inter * (es + 1) + si.numel() * 4

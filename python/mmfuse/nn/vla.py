@@ -84,7 +84,7 @@ class _RotateQKFn(torch.autograd.Function):
     def backward(ctx, g):
         positions, inv_freq = ctx.saved_tensors
         section, heads, kv, B, L = ctx.meta
-        g = g.view(B, L, heads + 2 * kv, -1)
+        g = g.reshape(B, L, heads + 2 * kv, -1)  # the incoming gradient may have any strides
         d = torch.empty_like(g)
         torch.ops.mmfuse.mrope_out(g[:, :, :heads], g[:, :, heads:heads + kv], None, None, positions, inv_freq,
                                    section, False, "fp32", True, False, d[:, :, :heads], d[:, :, heads:heads + kv])
