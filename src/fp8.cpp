@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "mmfuse/swiglu.h"
+
 #include "common/dispatch.h"
 
 namespace mmfuse {
@@ -61,7 +63,24 @@ void check_job(const char* op, const Fp8QuantJob& j, Device dev) {
     MMFUSE_CHECK(!j.per_row, op, ": swiglu: per tensor scaling only (per_row=True is not supported)");
     MMFUSE_CHECK(!j.col_sums.defined(), op, ": swiglu: col_sums is not supported");
   }
-  const int64_t c = j.swiglu ? sc / 2 : sc;  // the quantized tensor's columns
+  if (j.swiglu_grad) {
+    MMFUSE_CHECK(!j.swiglu, op, ": swiglu and swiglu_grad: expected one source kind, got both");
+    MMFUSE_CHECK(!j.per_row, op, ": swiglu_grad: per tensor scaling only (per_row=True is not supported)");
+    MMFUSE_CHECK(!j.col_sums.defined(), op, ": swiglu_grad: col_sums is not supported");
+    check_2d(op, "pack_q", j.pack_q, dev);
+    check_2d(op, "pack_scale_inv", j.pack_scale_inv, dev);
+    MMFUSE_CHECK(j.pack_q.dtype == DType::kFloat8E4M3 && j.pack_q.shape[0] == r && j.pack_q.shape[1] == 2 * sc &&
+                     (r * sc == 0 || j.pack_q.stride[1] == 1),
+                 op, ": pack_q: expected float8_e4m3fn [", r, ", ", 2 * sc,
+                 "] (swiglu_pack_fp8 of the [gate | up] tensor: twice x's columns) with a contiguous last dim, got ",
+                 dtype_name(j.pack_q.dtype), " ", shape_str(j.pack_q));
+    const int64_t tiles = swiglu_pack_tiles(2 * sc);
+    MMFUSE_CHECK(j.pack_scale_inv.dtype == DType::kFloat32 && j.pack_scale_inv.shape[0] == r &&
+                     j.pack_scale_inv.shape[1] == tiles && (r * tiles == 0 || j.pack_scale_inv.stride[1] == 1),
+                 op, ": pack_scale_inv: expected float32 [", r, ", ", tiles, "] with a contiguous last dim, got ",
+                 dtype_name(j.pack_scale_inv.dtype), " ", shape_str(j.pack_scale_inv));
+  }
+  const int64_t c = j.swiglu ? sc / 2 : j.swiglu_grad ? 2 * sc : sc;  // the quantized tensor's columns
   MMFUSE_CHECK(j.q.defined() || j.qt.defined(), op, ": expected q, qt or both to write, got neither");
   DType fmt = DType::kFloat32;
   struct Out {

@@ -27,9 +27,13 @@ struct Quantized {
 
 // Fills a core job for x [R, C] (swiglu: the source [R, 2C] of swiglu(x) [R, C]) with the outputs it
 // asks for (allocated here).
+// swiglu_grad: x is dy [R, C] and the tensor the [gate | up] gradient [R, 2C] from the pack (pack_q,
+// pack_si).
 Fp8QuantJob make_job(const Tensor& x, Tensor& state, bool rowwise, bool transposed, bool e5m2, bool dynamic,
-                     bool per_row, Quantized& out, bool swiglu = false) {
-  const int64_t r = x.dim() == 2 ? x.size(0) : 0, c = x.dim() == 2 ? x.size(1) / (swiglu ? 2 : 1) : 0;
+                     bool per_row, Quantized& out, bool swiglu = false, const Tensor* pack_q = nullptr,
+                     const Tensor* pack_si = nullptr) {
+  const int64_t sc = x.dim() == 2 ? x.size(1) : 0;
+  const int64_t r = x.dim() == 2 ? x.size(0) : 0, c = swiglu ? sc / 2 : pack_q ? 2 * sc : sc;
   const int64_t rp = fp8_padded(r), cp = fp8_padded(c);
   const auto opts = x.options().dtype(fp8_type(e5m2));
   const auto f32 = x.options().dtype(at::kFloat);
@@ -45,6 +49,11 @@ Fp8QuantJob make_job(const Tensor& x, Tensor& state, bool rowwise, bool transpos
   j.dynamic = dynamic;
   j.per_row = per_row;
   j.swiglu = swiglu;
+  if (pack_q) {
+    j.swiglu_grad = true;
+    j.pack_q = view(*pack_q, "swiglu_q");
+    j.pack_scale_inv = view(*pack_si, "swiglu_scale_inv");
+  }
   if (per_row) {
     out.scratch = at::zeros({rp + cp}, f32);
     j.scratch = view(out.scratch, "scratch");
@@ -171,20 +180,32 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fp8_linear_fo
 // dX = g @ w and dW = g^T @ x from the saved transposed copies x_qt [K, Mp] and w_qt [K, Np], the
 // gradient quantized once (both copies in one pass); dW into main_grad (fp32, accumulated) when
 // given, or in bf16 from x (not fp8) when x is given; db = column sums of g (fp32, then g's dtype),
-// from the gradient's cast pass (a fixed order: deterministic).
+// from the gradient's cast pass (a fixed order: deterministic). With swiglu_q / swiglu_scale_inv (a
+// SwiGLU MLP's gate/up projection): g is the gradient of the SwiGLU output and the output gradient
+// quantized is that of [gate | up], computed from the pack as it is cast (never written in bf16).
 std::tuple<Tensor, Tensor, Tensor> fp8_linear_backward_impl(
     const Tensor& g_in, const Tensor& x_qt, const Tensor& x_scale_inv, const Tensor& w_qt, const Tensor& w_scale_inv,
     Tensor& g_state, int64_t k, bool dynamic, bool e5m2, bool need_dx, bool need_dw, bool need_db, bool dw_fp32,
-    const std::optional<Tensor>& main_grad, const OptTensor& x, bool per_row) {
+    const std::optional<Tensor>& main_grad, const OptTensor& x, bool per_row, const OptTensor& swiglu_q,
+    const OptTensor& swiglu_scale_inv) {
   const Tensor g = kernel_ready(g_in);
+  const bool packed = swiglu_q.has_value();
+  TORCH_CHECK_VALUE(packed == swiglu_scale_inv.has_value(), "mmfuse.fp8_linear_backward: swiglu_q and swiglu_scale_inv: "
+                    "expected both or neither, got ", packed ? "swiglu_q only" : "swiglu_scale_inv only");
+  // the gradient of a SwiGLU's [gate | up] input from its output's (g) and the pack: never written, so
+  // no bf16 weight gradient from x and no column sums of it
+  TORCH_CHECK_VALUE(!packed || (!x.has_value() && !need_db), "mmfuse.fp8_linear_backward: swiglu_q: expected ",
+                    "x=None and need_db=False (the gradient is only quantized), got ", x.has_value() ? "x" : "need_db");
+  const Tensor pq = packed ? kernel_ready(*swiglu_q) : Tensor();
+  const Tensor ps = packed ? kernel_ready(*swiglu_scale_inv) : Tensor();
   const bool dw_fp8 = need_dw && !x.has_value();
-  Quantized gq;
   Tensor dx = empty0(g), dw = empty0(g), db = empty0(g);
   const bool fused_db = need_db && (need_dx || dw_fp8);  // db from the gradient's cast, else a column sum
   Tensor col_sums, partials;
-  if (need_dx || dw_fp8) {
+  auto quantize = [&](bool rowwise, bool transposed, Tensor& state, Quantized& out) {
     guarded("fp8_linear_backward", [&] {
-      Fp8QuantJob j = make_job(g, g_state, need_dx, dw_fp8, e5m2, dynamic || per_row, per_row, gq);
+      Fp8QuantJob j = make_job(g, state, rowwise, transposed, e5m2, dynamic || per_row, per_row, out, false,
+                               packed ? &pq : nullptr, packed ? &ps : nullptr);
       if (fused_db) {
         const auto f32 = g.options().dtype(at::kFloat);
         col_sums = at::empty({g.dim() == 2 ? g.size(1) : 0}, f32);
@@ -195,10 +216,22 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_backward_impl(
       c10::OptionalDeviceGuard dg(g.device());
       fp8_quantize(&j, 1, current_stream(g));
     });
-  }
-  const int64_t m = rows(g), n = g.dim() == 2 ? g.size(1) : 0;
+  };
+  const int64_t m = rows(g), n = g.dim() == 2 ? g.size(1) * (packed ? 2 : 1) : 0;
+  Quantized gq;
+  // From a pack, the two copies are made one at a time, each right before its GEMM (the gradient's
+  // sources are read twice): the row-major copy is gone before the transposed one exists, which is
+  // the step's peak in an fp8 SwiGLU MLP's backward. The second cast uses the history as the first
+  // found it (a copy of the state), so both copies get the same scale and the amax is recorded once.
+  const bool split = packed && need_dx && dw_fp8;
+  Tensor state_before = split ? g_state.clone() : Tensor();
+  if (need_dx || dw_fp8) quantize(need_dx, dw_fp8 && !split, g_state, gq);
   if (need_dx) {
     dx = product("fp8_linear_backward", gq.q, w_qt, gq.scale_inv, w_scale_inv, std::nullopt, m, k, false, false);
+  }
+  if (split) {
+    gq = Quantized{};
+    quantize(false, true, state_before, gq);
   }
   if (need_dw) {
     if (dw_fp8) {

@@ -86,7 +86,9 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
 // w_qt_scale_inv (per row only)), the w outputs empty when w's cached copies are given; swiglu_x: x
 // is [M, 2K] gate | up and the layer's input is swiglu(x) (per tensor only).
 // fp8_linear_backward (k: in_features; x_scale_inv, w_scale_inv: the scales of x_qt, w_qt): (dx, dw,
-// db), empty where not needed (dw also when accumulated into main_grad).
+// db), empty where not needed (dw also when accumulated into main_grad); swiglu_q, swiglu_scale_inv
+// (swiglu_pack_fp8 of the layer's [gate | up] output [M, 2C]): g is the gradient of its swiglu [M, C]
+// and the output gradient quantized is the [gate | up] one (swiglu_backward_fp8's, never written).
 TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.set_python_module("mmfuse.fp8");
   m.def("fp8_quantize(Tensor x, Tensor(a!) state, bool rowwise=True, bool transposed=False, bool e5m2=False, "
@@ -101,8 +103,8 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
         "Tensor)");
   m.def("fp8_linear_backward(Tensor g, Tensor x_qt, Tensor x_scale_inv, Tensor w_qt, Tensor w_scale_inv, "
         "Tensor(a!) g_state, SymInt k, bool dynamic=True, bool e5m2=True, bool need_dx=True, bool need_dw=True, "
-        "bool need_db=False, bool dw_fp32=False, Tensor(b!)? main_grad=None, Tensor? x=None, bool per_row=False) "
-        "-> (Tensor, Tensor, Tensor)");
+        "bool need_db=False, bool dw_fp32=False, Tensor(b!)? main_grad=None, Tensor? x=None, bool per_row=False, "
+        "Tensor? swiglu_q=None, Tensor? swiglu_scale_inv=None) -> (Tensor, Tensor, Tensor)");
 }
 
 // Residual add + RMSNorm (python/mmfuse/rms_norm.py; include/mmfuse/rms_norm.h): (out, h, rstd), h

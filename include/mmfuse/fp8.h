@@ -27,6 +27,11 @@
 // quantized is swiglu(src) [R, C], each value the swiglu op's own (silu(gate) * up in fp32, rounded
 // once to src's dtype), so the copies equal those of quantizing the swiglu op's output, without that
 // output ever being written.
+// SwiGLU gradient source (swiglu_grad, per tensor only): src is dy [R, C], the gradient of a swiglu
+// output, and the tensor quantized is the gradient of its [gate | up] input [R, 2C], each value
+// swiglu_backward_fp8's own (gate and up unpacked from swiglu_pack_fp8's pack_q [R, 2C] e4m3 and
+// pack_scale_inv [R, tiles]), so the copies equal those of quantizing that op's output, which is
+// never written.
 //
 // GEMM: out [M, N] (+)= (a [M, K] @ b [N, K]^T) * scale_a * scale_b (+ bias [N]), the scales both
 // float32 [1] (per tensor) or both vectors, scale_a[i] per row of a (>= M entries) and scale_b[j] per
@@ -68,6 +73,10 @@ struct Fp8QuantJob {
   bool dynamic = true;
   bool per_row = false;
   bool swiglu = false;  // src is [R, 2C] gate | up; the values quantized are swiglu(src) [R, C]
+  // swiglu_grad: src is dy [R, C]; the values quantized are the [gate | up] gradient [R, 2C] from the pack
+  bool swiglu_grad = false;
+  TensorView pack_q;          // swiglu_grad: [R, 2C] float8_e4m3fn, contiguous last dim
+  TensorView pack_scale_inv;  // swiglu_grad: [R, swiglu_pack_tiles(2C)] float32, contiguous last dim
 };
 
 MMFUSE_API int64_t fp8_col_sum_partials(int64_t rows, int64_t cols);

@@ -387,8 +387,9 @@ def _fp8_linear_forward_fake(x, w, bias, x_state, w_state, w_q=None, w_qt=None, 
 @torch.library.register_fake("mmfuse::fp8_linear_backward")
 def _fp8_linear_backward_fake(g, x_qt, x_scale_inv, w_qt, w_scale_inv, g_state, k, dynamic=True, e5m2=True,
                               need_dx=True, need_dw=True, need_db=False, dw_fp32=False, main_grad=None, x=None,
-                              per_row=False):
+                              per_row=False, swiglu_q=None, swiglu_scale_inv=None):
     m, n = g.shape
+    n = 2 * n if swiglu_q is not None else n
     dx = _strided_out(g, m, k, torch.bfloat16) if need_dx else g.new_empty((0,))
     if need_dw and main_grad is None:
         dt = torch.float32 if dw_fp32 else g.dtype

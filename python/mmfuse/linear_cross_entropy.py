@@ -1,15 +1,16 @@
 """Fused linear cross-entropy: ``cross_entropy(hidden @ weight^T + bias, labels)`` and its gradients
 without ever holding the ``[T, V]`` logits.
 
-The tokens go in chunks: each chunk's logits (fp32 accumulation, fp32 out) are reduced to its loss
-and log-sum-exp and turned into their gradient by one kernel (``linear_cross_entropy_logits_grad``:
-two reads of the logits, one write of the gradient in hidden's dtype), which is folded into
-``d_hidden`` and (accumulated in fp32) ``d_weight`` right away. With ``reduction="mean"`` or ``"sum"`` the gradients
+The tokens go in chunks: each chunk's logits (fp32 accumulation, rounded to hidden's dtype as
+``F.linear`` rounds them, or kept in fp32) are reduced to its loss and log-sum-exp and turned into
+their gradient by one kernel (``linear_cross_entropy_logits_grad``: two reads of the logits, one write
+of the gradient in hidden's dtype), which is folded into ``d_hidden`` at once and into ``d_weight``
+(accumulated in fp32) a group of chunks at a time. With ``reduction="mean"`` or ``"sum"`` the gradients
 are computed in the forward (the backward only scales them by the incoming gradient: three GEMMs in
 all, as an unfused step); with ``"none"`` the backward recomputes each chunk's logits and weighs the
-rows by the incoming per-token gradient. Peak extra memory: one chunk's fp32 logits plus the fp32
-weight gradient, which the forward rounds to the weight's dtype before the backward (only that copy is
-saved).
+rows by the incoming per-token gradient. Peak extra memory: one chunk's logits, a group's logit
+gradients and the fp32 weight gradient, which the forward rounds to the weight's dtype before the
+backward (only that copy is saved).
 
 CPU and CUDA (the GEMMs are mmfuse's dual GEMM, bf16 / fp16 in with fp32 out on the GPU); a
 registered op (``torch.ops.mmfuse.linear_cross_entropy``) with a fake kernel and autograd.
@@ -23,7 +24,10 @@ from torch import Tensor
 from . import _lib  # noqa: F401  (registers the ops)
 
 _REDUCTIONS = ("mean", "sum", "none")
-DW_CHUNKS = 2
+# tokens whose logit gradients the weight gradient's GEMM takes at once (whole chunks, at least one):
+# its fp32 [V, H] accumulator is read and written once a group, for the group's gradients held in
+# hidden's dtype (1.2 GB at 4096 tokens of a 151936 vocabulary)
+DW_GROUP_TOKENS = 4096
 
 
 def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], fp32: bool) -> Tensor:
@@ -84,9 +88,7 @@ def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss,
     db = torch.zeros(V, dtype=torch.float32, device=hidden.device) if need_grads and bias is not None \
         else hidden.new_empty(0, dtype=torch.float32)
     fused = hidden.dtype != torch.float64  # the fused kernel (fp32 or 16-bit logits); fp64 (gradcheck): PyTorch ops
-    # the weight gradient's GEMM takes DW_CHUNKS chunks at once: its fp32 accumulator ([V, H]) is read
-    # and written once a group instead of once a chunk, for one more chunk's gradient held
-    group = chunk * (DW_CHUNKS if fused else 1)
+    group = chunk * (max(1, DW_GROUP_TOKENS // chunk) if fused else 1)
     g_buf = hidden.new_empty(min(group, T), V) if need_grads and fused else None
     for i0 in range(0, T, group):
         i1 = min(i0 + group, T)
@@ -146,7 +148,7 @@ def _check(hidden, weight, labels, bias, reduction, label_smoothing, z_loss, sof
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, logit_softcap: Optional[float] = None,
-                         chunk_tokens: int = 1024, logits_dtype: Optional[torch.dtype] = torch.float32,
+                         chunk_tokens: int = 1024, logits_dtype: Optional[torch.dtype] = None,
                          weight_grad_dtype: Optional[torch.dtype] = torch.float32) -> Tensor:
     r"""``F.cross_entropy(F.linear(hidden, weight, bias).float(), labels)`` without the logits in memory.
 
@@ -160,19 +162,18 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: O
         label_smoothing: as ``F.cross_entropy``'s.
         z_loss: adds ``z_loss * logsumexp(logits)^2`` a token (PaLM's auxiliary loss).
         logit_softcap: ``softcap * tanh(logits / softcap)`` before the softmax (Gemma 2), or None.
-        logits_dtype: ``torch.float32`` (default): each chunk's logits made in fp32 (fp32 accumulation and
-            output: a finer loss than the unfused step's); hidden's dtype (or None): made in it, as
-            ``F.linear`` does, then read in fp32 (the unfused step's own rounding, half the logits'
-            memory traffic).
+        logits_dtype: hidden's dtype (or None, the default): each chunk's logits made in it, as ``F.linear``
+            does, then read in fp32 (the unfused step's own numerics); ``torch.float32``: made in fp32
+            (a finer loss than the unfused step's, twice the logits' memory traffic).
         weight_grad_dtype: the weight gradient's accumulator over the chunks. ``torch.float32`` (default):
             fp32 sums, rounded to the weight's dtype once; hidden's dtype (or None): accumulated in it, as
-            Liger-Kernel does (the GEMM's fp32 sums added to it and rounded once a group of two chunks, so
-            up to ``T / (2 * chunk_tokens)`` roundings), for ``V * H * 4`` bytes less peak memory and half
-            the accumulator's traffic.
-        chunk_tokens: tokens a chunk; peak extra memory is about ``chunk_tokens * V * 4`` bytes (one
-            chunk's fp32 logits), ``2 * chunk_tokens * V`` elements of hidden's dtype (two chunks' logit
-            gradients, which the weight gradient's GEMM takes together) and the fp32 weight gradient
-            ``V * H * 4``.
+            Liger-Kernel does (the GEMM's fp32 sums added to it and rounded once a group of 4096 tokens,
+            so up to ``T / 4096`` roundings), for ``V * H * 4`` bytes less peak memory and half the
+            accumulator's traffic.
+        chunk_tokens: tokens a chunk; peak extra memory is about ``chunk_tokens * V`` elements of the
+            logits' dtype (one chunk's logits), ``4096 * V`` elements of hidden's dtype (the logit
+            gradients of a group of chunks, which the weight gradient's GEMM takes together) and the
+            fp32 weight gradient ``V * H * 4`` bytes.
 
     Returns:
         The loss (fp32): a scalar, or ``[T]`` with ``reduction="none"``. Differentiable in hidden,

@@ -20,6 +20,19 @@ inline S swiglu_value_cpu(S gate, S up) {
   return store_val<S>(g * sig * u);
 }
 
+// One element of the SwiGLU backward in C (the formulas of include/mmfuse/swiglu.h): d_gate, d_up and y.
+// Shared by swiglu_backward(_fp8) and fp8_quantize's swiglu_grad source, so both give the same bits.
+template <class C>
+inline void swiglu_grad_value_cpu(C g, C u, C dv, C& dg, C& du, C& y) {
+  const C sig = C(1) / (C(1) + std::exp(-g)), s = g * sig;
+  dg = dv * u * (sig * (C(1) + g * (C(1) - sig)));
+  du = dv * s;
+  y = s * u;
+}
+
+// An element of swiglu_pack_fp8's pack: its e4m3 code times its tile's power-of-two scale (exact).
+inline float swiglu_unpack_cpu(uint8_t code, float scale_inv) { return fp8_to_float(code, true) * scale_inv; }
+
 #if defined(__CUDACC__)
 #define MMFUSE_SWIGLU_HD __host__ __device__
 #else

@@ -88,6 +88,7 @@ inline bool same_view(const TensorView& a, const TensorView& b) {
 
 // A view that writes some element twice (a stride-0 dim of extent > 1: an expanded tensor).
 inline bool expanded(const TensorView& v) {
+  if (v.numel() == 0) return false;  // no element to write twice
   for (int i = 0; i < v.ndim; ++i)
     if (v.shape[i] > 1 && v.stride[i] == 0) return true;
   return false;

@@ -16,14 +16,28 @@ namespace mmfuse {
 namespace detail {
 
 void fp8_quantize_cpu(const Fp8QuantJob& j) {
-  const int64_t r = j.src.shape[0], c = j.swiglu ? j.src.shape[1] / 2 : j.src.shape[1];
+  const int64_t r = j.src.shape[0], sc = j.src.shape[1];
+  const int64_t c = j.swiglu ? sc / 2 : j.swiglu_grad ? 2 * sc : sc;  // the quantized tensor's columns
   const DType fmt = j.q.defined() ? j.q.dtype : j.qt.dtype;
   const bool e4m3 = fmt == DType::kFloat8E4M3;
   dispatch_floating(j.src.dtype, "fp8_quantize: x", [&](auto tag) {
     using S = typename decltype(tag)::type;
     const S* x = static_cast<const S*>(j.src.data);
+    const uint8_t* pq = j.swiglu_grad ? j.pack_q.ptr<uint8_t>() : nullptr;
+    const float* ps = j.swiglu_grad ? j.pack_scale_inv.ptr<float>() : nullptr;
     auto at = [&](int64_t i, int64_t k) {
       const S* row = x + i * j.src.stride[0];
+      if (j.swiglu_grad) {  // column k of the [gate | up] gradient: swiglu_backward_fp8's value
+        using C = typename compute_type<S>::type;
+        const int64_t kk = k < sc ? k : k - sc;
+        const uint8_t* qr = pq + i * j.pack_q.stride[0];
+        const float* sr = ps + i * j.pack_scale_inv.stride[0];
+        C dg, du, y;
+        swiglu_grad_value_cpu<C>(swiglu_unpack_cpu(qr[kk], sr[kk / kSwigluPackTile]),
+                                 swiglu_unpack_cpu(qr[sc + kk], sr[(sc + kk) / kSwigluPackTile]), load_val(row[kk]),
+                                 dg, du, y);
+        return float(load_val(store_val<S>(k < sc ? dg : du)));
+      }
       return float(load_val(j.swiglu ? swiglu_value_cpu<S>(row[k], row[c + k]) : row[k]));
     };
     const float fmax = fp8_max(fmt);

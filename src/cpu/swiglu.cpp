@@ -26,15 +26,6 @@ void swiglu_cpu(const TensorView& gate_up, TensorView& out) {
 
 namespace {
 
-// One element of the backward in C (the formulas of include/mmfuse/swiglu.h): d_gate, d_up and y.
-template <class C>
-inline void grad_value(C g, C u, C dv, C& dg, C& du, C& y) {
-  const C sig = C(1) / (C(1) + std::exp(-g)), s = g * sig;
-  dg = dv * u * (sig * (C(1) + g * (C(1) - sig)));
-  du = dv * s;
-  y = s * u;
-}
-
 // The backward over rows, gate and up read through load(t, j) (column j of row t, in C).
 template <class S, class Load>
 void backward_rows(const TensorView& dy, TensorView& d_gate_up, TensorView& y, int64_t T, int64_t I, Load load) {
@@ -46,7 +37,7 @@ void backward_rows(const TensorView& dy, TensorView& d_gate_up, TensorView& y, i
       S* yr = y.defined() ? static_cast<S*>(y.data) + t * y.stride[0] : nullptr;
       for (int64_t j = 0; j < I; ++j) {
         C dg, du, yv;
-        grad_value<C>(load(t, j), load(t, I + j), load_val(d[j]), dg, du, yv);
+        swiglu_grad_value_cpu<C>(load(t, j), load(t, I + j), load_val(d[j]), dg, du, yv);
         dgu[j] = store_val<S>(dg);
         dgu[I + j] = store_val<S>(du);
         if (yr) yr[j] = store_val<S>(yv);
@@ -98,9 +89,7 @@ void swiglu_backward_fp8_cpu(const TensorView& dy, const TensorView& q, const Te
   const uint8_t* qd = static_cast<const uint8_t*>(q.data);
   const float* sd = static_cast<const float*>(scale_inv.data);
   const int64_t lq = q.stride[0], ls = scale_inv.stride[0];
-  auto load = [&](int64_t t, int64_t j) {  // exact: a power-of-two scale
-    return fp8_to_float(qd[t * lq + j], true) * sd[t * ls + j / kSwigluPackTile];
-  };
+  auto load = [&](int64_t t, int64_t j) { return swiglu_unpack_cpu(qd[t * lq + j], sd[t * ls + j / kSwigluPackTile]); };
   dispatch_floating(dy.dtype, "swiglu_backward_fp8: dy", [&](auto tag) {
     using S = typename decltype(tag)::type;
     if constexpr (!std::is_same_v<S, double>) backward_rows<S>(dy, d_gate_up, y, T, I, load);

@@ -43,15 +43,8 @@ __global__ void __launch_bounds__(kThreads) swiglu_kernel(const char* __restrict
   }
 }
 
-// One element of the backward (the formulas of include/mmfuse/swiglu.h), fp32, each result rounded once.
-template <class S, bool kY>
-__device__ __forceinline__ void grad_value(float gv, float uv, float dv, S& dg, S& du, S& y) {
-  const float sig = sigmoid(gv), s = cuda::mul_rn(gv, sig);
-  const float dsilu = cuda::mul_rn(sig, cuda::add_rn(1.0f, cuda::mul_rn(gv, cuda::sub_rn(1.0f, sig))));
-  dg = cuda::dstore<S>(cuda::mul_rn(cuda::mul_rn(dv, uv), dsilu));
-  du = cuda::dstore<S>(cuda::mul_rn(dv, s));
-  if constexpr (kY) y = cuda::dstore<S>(cuda::mul_rn(s, uv));
-}
+using cuda::swiglu_grad_value;
+using cuda::swiglu_unpack;
 
 // No __restrict__: d_gate_up may be gate_up and y may be dy (in place); a thread loads its three
 // vectors before it stores any.
@@ -68,7 +61,7 @@ __global__ void __launch_bounds__(kThreads)
     W dg, du, o;
 #pragma unroll
     for (int e = 0; e < VEC; ++e)
-      grad_value<S, kY>(cuda::dload(g.v[e]), cuda::dload(u.v[e]), cuda::dload(d.v[e]), dg.v[e], du.v[e], o.v[e]);
+      swiglu_grad_value<S, kY>(cuda::dload(g.v[e]), cuda::dload(u.v[e]), cuda::dload(d.v[e]), dg.v[e], du.v[e], o.v[e]);
     W* out = reinterpret_cast<W*>(dgu + t * dgus);
     out[c] = dg;
     out[V + c] = du;
@@ -132,12 +125,6 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) si[t * sis + j0 / kSwigluPackTile] = __int_as_float((127 - k) << 23);
 }
 
-// An e4m3 byte times its tile's power-of-two scale: exact (e4m3 values are halves).
-__device__ __forceinline__ float unpack(uint8_t b, float scale_inv) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(b), __NV_E4M3);
-  return __fmul_rn(__half2float(__half(h)), scale_inv);
-}
-
 // swiglu_backward_fp8: as swiglu_bwd_kernel, gate and up unpacked from q; a thread 8 columns (one
 // tile's scale for each half: the columns stay in one tile when kVec, I a multiple of 8). No
 // __restrict__ on dy and y: y may be dy.
@@ -162,14 +149,14 @@ __global__ void __launch_bounds__(kThreads)
       cuda::Vec<S, 8> og, ou, oy;
 #pragma unroll
       for (int e = 0; e < 8; ++e)
-        grad_value<S, kY>(unpack(gq.v[e], gs), unpack(uq.v[e], us), cuda::dload(dv.v[e]), og.v[e], ou.v[e], oy.v[e]);
+        swiglu_grad_value<S, kY>(swiglu_unpack(gq.v[e], gs), swiglu_unpack(uq.v[e], us), cuda::dload(dv.v[e]), og.v[e], ou.v[e], oy.v[e]);
       reinterpret_cast<cuda::Vec<S, 8>*>(dg + j0)[0] = og;
       reinterpret_cast<cuda::Vec<S, 8>*>(dg + I + j0)[0] = ou;
       if constexpr (kY) reinterpret_cast<cuda::Vec<S, 8>*>(yr + j0)[0] = oy;
     } else {
       for (int64_t j = j0; j < I && j < j0 + 8; ++j) {
         S og, ou, oy;
-        grad_value<S, kY>(unpack(qr[j], sr[j / kSwigluPackTile]), unpack(qr[I + j], sr[(I + j) / kSwigluPackTile]),
+        swiglu_grad_value<S, kY>(swiglu_unpack(qr[j], sr[j / kSwigluPackTile]), swiglu_unpack(qr[I + j], sr[(I + j) / kSwigluPackTile]),
                           cuda::dload(d[j]), og, ou, oy);
         dg[j] = og;
         dg[I + j] = ou;

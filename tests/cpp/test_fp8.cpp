@@ -56,8 +56,8 @@ struct Quant {
 void run_quantize(Fp8QuantJob& j, bool cuda) {
   if (!cuda) return fp8_quantize(&j, 1, nullptr);
 #ifdef MMFUSE_WITH_CUDA
-  TensorView* views[] = {&j.src, &j.q, &j.qt, &j.scale_inv, &j.scale_inv_t, &j.state, &j.scratch, &j.col_sums,
-                         &j.partials};
+  TensorView* views[] = {&j.src,     &j.q,       &j.qt,       &j.scale_inv, &j.scale_inv_t, &j.state,
+                         &j.scratch, &j.col_sums, &j.partials, &j.pack_q,    &j.pack_scale_inv};
   struct Copy {
     TensorView* v;
     void* host;
@@ -567,6 +567,104 @@ void swiglu_source_cases(bool cuda) {
 
 TEST(Fp8QuantizeCpu, SwigluSourceEqualsTheSwigluOutputQuantized) { swiglu_source_cases(false); }
 
+// The swiglu_grad source (dy [r, c] and a pack of gate_up [r, 2c]) against swiglu_backward_fp8's output
+// [r, 2c] quantized as a plain tensor on the CPU: q, qt, scale_inv and the state bitwise (the source on
+// the CPU, or on the GPU), for odd sizes (c not a multiple of 16: a run across the gate / up halves),
+// strided dy and pack rows, each dtype, both formats, dynamic and delayed, fresh and used states, each
+// copy alone (q alone: on the GPU, one read of the sources for both halves) and both.
+template <class S>
+void check_swiglu_grad_source(int64_t r, int64_t c, int64_t pad, DType fmt, bool dynamic, bool fresh, bool cuda,
+                              bool want_q = true, bool want_qt = true) {
+  SCOPED_TRACE(testing::Message() << "r=" << r << " c=" << c << " pad=" << pad << " fmt=" << dtype_name(fmt)
+                                  << " dynamic=" << dynamic << " fresh=" << fresh << " cuda=" << cuda
+                                  << " q=" << want_q << " qt=" << want_qt);
+  std::mt19937_64 rng(test_seed() + uint64_t(r * 313 + c * 5 + pad));
+  const int64_t c2 = 2 * c, tiles = swiglu_pack_tiles(c2);
+  const int64_t ldd = std::max<int64_t>(1, c + pad), ldq = std::max<int64_t>(1, c2 + 2 * pad);
+  const int64_t lds = std::max<int64_t>(1, tiles + pad);
+  std::vector<S> gu = random_vec<S>(size_t(std::max<int64_t>(1, r * c2)), rng, -6.0, 6.0);
+  for (int64_t i = 0; i < r; ++i)  // tiles of many magnitudes: the pack's scales differ
+    for (int64_t k = 0; k < c2; ++k)
+      gu[size_t(i * c2 + k)] = from_double<S>(as_double(gu[size_t(i * c2 + k)]) * std::ldexp(1.0, int((i + k / 128) % 9) - 4));
+  std::vector<uint8_t> pq(size_t(std::max<int64_t>(1, r * ldq)), 0xAB);
+  std::vector<float> ps(size_t(std::max<int64_t>(1, r * lds)), NAN);
+  TensorView pqv = host_view(pq.data(), DType::kFloat8E4M3, {r, c2}, {ldq, 1});
+  TensorView psv = host_view(ps.data(), DType::kFloat32, {r, tiles}, {lds, 1});
+  swiglu_pack_fp8(host_view(gu.data(), dtype_of<S>(), {r, c2}), pqv, psv, nullptr);
+  std::vector<S> dy = random_vec<S>(size_t(std::max<int64_t>(1, r * ldd)), rng, -3.0, 3.0);
+  std::vector<S> dgu(size_t(std::max<int64_t>(1, r * c2)));
+  poison(dgu);
+  TensorView dgv = host_view(dgu.data(), dtype_of<S>(), {r, c2}), none;
+  swiglu_backward_fp8(host_view(dy.data(), dtype_of<S>(), {r, c}, {ldd, 1}), pqv, psv, dgv, none, nullptr);
+  Quant plain, fused;
+  plain.state = fused.state = fresh ? std::vector<float>(5, 0.0f) : std::vector<float>{3.0f, 9.0f, 0.5f, 0.0f, 0.0f};
+  quantize(dgu, r, c2, c2, fmt, want_q, want_qt, dynamic, plain, false);
+  const int64_t cp = fp8_padded(c2), rp = fp8_padded(r);
+  fused.q.assign(want_q ? size_t(rp * cp) : 0, 0xAB);
+  fused.qt.assign(want_qt ? size_t(cp * rp) : 0, 0xAB);
+  Fp8QuantJob j;
+  j.src = host_view(dy.data(), dtype_of<S>(), {r, c}, {ldd, 1});
+  j.swiglu_grad = true;
+  j.pack_q = pqv;
+  j.pack_scale_inv = psv;
+  if (want_q) j.q = host_view(fused.q.data(), fmt, {rp, cp});
+  if (want_qt) j.qt = host_view(fused.qt.data(), fmt, {cp, rp});
+  j.scale_inv = host_view(&fused.scale_inv, DType::kFloat32, {1});
+  j.state = host_view(fused.state.data(), DType::kFloat32, {5});
+  j.dynamic = dynamic;
+  run_quantize(j, cuda);
+  EXPECT_TRUE(bits_equal(plain.scale_inv, fused.scale_inv)) << plain.scale_inv << " vs " << fused.scale_inv;
+  for (size_t i = 0; i < plain.state.size(); ++i)
+    EXPECT_TRUE(bits_equal(plain.state[i], fused.state[i])) << "state " << i;
+  EXPECT_EQ(plain.q, fused.q);
+  EXPECT_EQ(plain.qt, fused.qt);
+}
+
+void swiglu_grad_source_cases(bool cuda) {
+  for (DType fmt : {DType::kFloat8E5M2, DType::kFloat8E4M3})
+    for (bool dynamic : {true, false})
+      for (bool fresh : {true, false})
+        for (auto [r, c] : {std::pair<int64_t, int64_t>{1, 1}, {5, 7}, {64, 64}, {130, 200}, {257, 72}, {33, 136},
+                            {0, 16}, {9, 0}}) {
+          check_swiglu_grad_source<bf16>(r, c, 0, fmt, dynamic, fresh, cuda);
+          check_swiglu_grad_source<bf16>(r, c, 16, fmt, dynamic, fresh, cuda);
+          check_swiglu_grad_source<bf16>(r, c, 0, fmt, dynamic, fresh, cuda, true, false);
+          check_swiglu_grad_source<bf16>(r, c, 16, fmt, dynamic, fresh, cuda, true, false);
+          check_swiglu_grad_source<f16>(r, c, 0, fmt, dynamic, fresh, cuda, false, true);
+          check_swiglu_grad_source<f16>(r, c, 3, fmt, dynamic, fresh, cuda);
+          check_swiglu_grad_source<float>(r, c, 0, fmt, dynamic, fresh, cuda);
+        }
+}
+
+TEST(Fp8QuantizeCpu, SwigluGradSourceEqualsTheSwigluGradientQuantized) { swiglu_grad_source_cases(false); }
+
+TEST(Fp8Errors, SwigluGradSourceNamesTheProblem) {
+  std::vector<bf16> dy(4 * 8);
+  std::vector<uint8_t> q(16 * 16), pq(4 * 16);
+  std::vector<float> st(3), si(1), ps(4), rows(16), scratch(32);
+  Fp8QuantJob j;
+  j.src = host_view(dy.data(), DType::kBFloat16, {4, 8});
+  j.q = host_view(q.data(), DType::kFloat8E5M2, {16, 16});
+  j.scale_inv = host_view(si.data(), DType::kFloat32, {1});
+  j.state = host_view(st.data(), DType::kFloat32, {3});
+  j.swiglu_grad = true;
+  expect_error([&] { fp8_quantize(&j, 1, nullptr); }, "pack_q is missing");
+  j.pack_q = host_view(pq.data(), DType::kFloat8E4M3, {4, 14});
+  j.pack_scale_inv = host_view(ps.data(), DType::kFloat32, {4, 1});
+  expect_error([&] { fp8_quantize(&j, 1, nullptr); }, "pack_q: expected float8_e4m3fn [4, 16] (swiglu_pack_fp8 of the [gate | up] tensor: twice x");
+  j.pack_q = host_view(pq.data(), DType::kFloat8E4M3, {4, 16});
+  j.pack_scale_inv = host_view(ps.data(), DType::kFloat32, {2, 2});
+  expect_error([&] { fp8_quantize(&j, 1, nullptr); }, "pack_scale_inv: expected float32 [4, 1] with a contiguous");
+  j.pack_scale_inv = host_view(ps.data(), DType::kFloat32, {4, 1});
+  j.swiglu = true;
+  expect_error([&] { fp8_quantize(&j, 1, nullptr); }, "swiglu and swiglu_grad: expected one source kind, got both");
+  j.swiglu = false;
+  j.per_row = true;
+  j.scale_inv = host_view(rows.data(), DType::kFloat32, {16});
+  j.scratch = host_view(scratch.data(), DType::kFloat32, {32});
+  expect_error([&] { fp8_quantize(&j, 1, nullptr); }, "swiglu_grad: per tensor scaling only");
+}
+
 TEST(Fp8Errors, SwigluSourceNamesTheProblem) {
   std::vector<bf16> x(4 * 9);
   std::vector<uint8_t> q(16 * 16);
@@ -626,6 +724,16 @@ TEST(Fp8QuantizeCuda, SwigluSourceEqualsTheSwigluOutputQuantized) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";
   swiglu_source_cases(true);
   check_swiglu_source<bf16>(4096, 1000, 0, DType::kFloat8E4M3, false, false, true);  // many blocks
+}
+
+TEST(Fp8QuantizeCuda, SwigluGradSourceEqualsTheSwigluGradientQuantized) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  swiglu_grad_source_cases(true);
+  for (bool want_qt : {true, false}) {  // many blocks
+    check_swiglu_grad_source<bf16>(2048, 1376, 0, DType::kFloat8E5M2, false, false, true, true, want_qt);
+    check_swiglu_grad_source<bf16>(1000, 1000, 8, DType::kFloat8E5M2, true, false, true, true, want_qt);
+    check_swiglu_grad_source<float>(300, 2048, 0, DType::kFloat8E5M2, false, true, true, true, want_qt);
+  }
 }
 
 // Delayed scaling over a run of calls, as a training loop makes them: the history shifts, the scale

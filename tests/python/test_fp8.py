@@ -357,6 +357,44 @@ def test_linear_forward_swiglu_x_equals_swiglu_then_linear(device):
         assert torch.equal(s1, s2)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_linear_backward_from_swiglu_pack_equals_swiglu_backward_then_linear(device, need, dynamic):
+    # swiglu_q: the gate/up projection's output gradient quantized straight from the SwiGLU output's
+    # gradient and the pack: the same dx, dw and amax history as swiglu_backward_fp8's output passed in
+    from mmfuse.swiglu import swiglu_backward_fp8, swiglu_pack_fp8
+    g = torch.Generator().manual_seed(11)
+    M, H, C = 37, 40, 56
+    gu = (3 * torch.randn(M, 2 * C, generator=g)).to(torch.bfloat16).to(device)
+    q, si = swiglu_pack_fp8(gu)
+    dy = torch.randn(M, C, generator=g).to(torch.bfloat16).to(device)
+    x = torch.randn(M, H, generator=g).to(torch.bfloat16).to(device)
+    w = torch.randn(2 * C, H, generator=g).to(torch.bfloat16).to(device)
+    _, x_qt, x_si, _ = fp8.fp8_quantize(x, transposed=True, rowwise=False)
+    w_qt, _, w_si, _ = fp8.fp8_quantize(w.t().contiguous())  # [H, 2C]: the dgrad GEMM's b
+    hist = torch.tensor([0.0, 0.0] if dynamic else [5.0, 0.5], device=device)
+    s1, s2 = fp8.new_state(2, device), fp8.new_state(2, device)
+    s1[:2], s2[:2] = hist, hist
+    want = torch.ops.mmfuse.fp8_linear_backward(swiglu_backward_fp8(dy, q, si, False)[0], x_qt, x_si, w_qt, w_si, s1, H,
+                                                dynamic, True, *need, False, False, None, None, False)
+    got = torch.ops.mmfuse.fp8_linear_backward(dy, x_qt, x_si, w_qt, w_si, s2, H, dynamic, True, *need, False, False,
+                                               None, None, False, q, si)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert torch.equal(s1, s2)  # the amax recorded once
+    assert got[0].numel() == (M * H if need[0] else 0) and got[1].numel() == (2 * C * H if need[1] else 0)
+    with pytest.raises(ValueError, match="swiglu_q and swiglu_scale_inv: expected both or neither"):
+        torch.ops.mmfuse.fp8_linear_backward(dy, x_qt, x_si, w_qt, w_si, s2, H, dynamic, True, True, True, False,
+                                             False, None, None, False, q, None)
+    with pytest.raises(ValueError, match="swiglu_q: expected x=None and need_db=False"):
+        torch.ops.mmfuse.fp8_linear_backward(dy, x_qt, x_si, w_qt, w_si, s2, H, dynamic, True, True, True, True,
+                                             False, None, None, False, q, si)
+    with pytest.raises(ValueError, match=r"pack_q: expected float8_e4m3fn \[37, 96\] .*, got float8_e4m3fn \[37, 112\]"):
+        torch.ops.mmfuse.fp8_linear_backward(dy[:, :48], x_qt, x_si, w_qt, w_si, s2, H, dynamic, True, True, True,
+                                             False, False, None, None, False, q, si)
+
+
 def test_linear_forward_checks_in_features():
     x, gu = torch.randn(4, 40, dtype=torch.bfloat16), torch.randn(4, 81, dtype=torch.bfloat16)
     w = torch.randn(8, 32, dtype=torch.bfloat16)
@@ -404,6 +442,14 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.mmfuse.fp8_linear_backward,
                           (gy, qt, si, wqt, wsi, st(), 40, True, False, True, True, False, True, None, x, False),
                           test_utils=no_schema)
+    from mmfuse.swiglu import swiglu_pack_fp8
+    pq, psi = swiglu_pack_fp8(torch.randn(33, 48, generator=g).to(torch.bfloat16).to(device))
+    w2 = torch.randn(48, 40, generator=g).to(torch.bfloat16).to(device)
+    w2qt, _, w2si, _ = fp8.fp8_quantize(w2.t().contiguous())
+    for dynamic in (True, False):
+        torch.library.opcheck(torch.ops.mmfuse.fp8_linear_backward,
+                              (gy, qt, si, w2qt, w2si, st(), 40, dynamic, True, True, True, False, False, None, None,
+                               False, pq, psi), test_utils=no_schema)
 
 
 def test_default_scaling_is_delayed_per_tensor_dynamic_per_row():

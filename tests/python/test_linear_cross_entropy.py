@@ -27,7 +27,11 @@ def _reference(h, w, y, b, ignore_index, reduction, ls, z_loss, softcap):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 logits", "bf16 weight gradient"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("opts", [dict(), dict(ls=0.1), dict(z_loss=1e-3, softcap=30.0), dict(bias=True, ls=0.05)])
-def test_matches_float64(device, dtype, reduction, opts):
+def test_matches_float64(device, dtype, reduction, opts, monkeypatch):
+    import importlib
+
+    # groups of two 8-token chunks: three weight-gradient groups over the 37 tokens
+    monkeypatch.setattr(importlib.import_module("mmfuse.linear_cross_entropy"), "DW_GROUP_TOKENS", 16)
     logits_dtype = weight_grad_dtype = torch.float32
     if dtype == "bf16 logits":  # the logits in hidden's dtype, as F.linear makes them
         dtype = logits_dtype = torch.bfloat16
@@ -99,7 +103,7 @@ def test_weight_gradient_groups_agree(groups, monkeypatch):
     w = torch.randn(30, 16, generator=g).bfloat16().requires_grad_()
     y = torch.randint(0, 30, (45,), generator=g)
     want = torch.autograd.grad(mmfuse.linear_cross_entropy(h, w, y, chunk_tokens=4), (h, w))
-    monkeypatch.setattr(lce, "DW_CHUNKS", groups)
+    monkeypatch.setattr(lce, "DW_GROUP_TOKENS", 4 * groups)
     got = torch.autograd.grad(mmfuse.linear_cross_entropy(h, w, y, chunk_tokens=4), (h, w))
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=1e-2, atol=1e-4)

@@ -129,9 +129,10 @@ def _model(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
 
 
 def _lce(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
-    header = ["variant", "ms (fwd + bwd)", "peak extra GiB", "loss", "verified"]
-    rows = [[r["name"], _f(r.get("us") and r["us"] / 1e3, "{:.2f}"), _f(r.get("peak_gib"), "{:.2f}"),
-             _f(r["loss"], "{:.5f}"), r.get("verified", "")] for r in res.get("rows", [])]
+    header = ["variant", "ms (fwd + bwd)", "x bound", "peak extra GiB", "loss", "verified"]
+    rows = [[r["name"], _f(r.get("us") and r["us"] / 1e3, "{:.2f}"), _f(r.get("x_bound"), "{:.2f}"),
+             _f(r.get("peak_gib"), "{:.2f}"), _f(r.get("loss"), "{:.5f}"), r.get("verified", "")]
+            for r in res.get("rows", [])]
     bars = [(r["name"], r["peak_gib"]) for r in res.get("rows", []) if r.get("peak_gib") is not None]
     return header, rows, ("linear cross-entropy: peak extra memory of forward + backward", "GiB", bars)
 

@@ -104,52 +104,60 @@ class _Fp8ExpertFn(torch.autograd.Function):
     (e4m3 operands, delayed or dynamic scaling), the SwiGLU activation quantized straight from the gate/up
     output (``swiglu_x``: it is never written in bf16). Saved for the backward: x's and the activation's
     fp8 copies and the gate/up output packed in fp8 (``swiglu_pack_fp8``: 128-column tiles with their own
-    power-of-two scales, half the bytes of bf16), from which the backward computes the SwiGLU gradient.
-    Eager, the tensors only the down projection's backward and the SwiGLU gradient read are held on ctx
-    and let go once read, before the gate/up backward makes its gradient copies (the step's peak);
-    so a second backward through the same graph is refused. Traced, or under saved-tensor hooks
-    (checkpointing, offloading), they are saved as usual."""
+    power-of-two scales, half the bytes of bf16), from which the backward's gate/up cast computes the
+    SwiGLU gradient as it quantizes it (``fp8_linear_backward(..., swiglu_q=...)``: never written in bf16).
+    The weights' transposed fp8 copies are made again in the backward, each right before its GEMM.
+    Eager, the pack and the activation's copy are held on ctx and let go as soon as read, the activation's
+    before the gate/up backward makes its gradient copies (the step's peak); so a second backward
+    through the same graph is refused. Traced, or under saved-tensor hooks (checkpointing, offloading),
+    they are saved as usual."""
 
     @staticmethod
     def forward(ctx, x, gate_up, down, states, grad_e5m2, dynamic):
         gu_x, gu_w, gu_g, dn_x, dn_w, dn_g = states
-        g, x_qt, x_si, _, gu_qt, gu_si, _ = torch.ops.mmfuse.fp8_linear_forward(
-            x, gate_up, None, gu_x, gu_w, None, None, None, dynamic, True, True, False)
-        y, a_qt, a_si, _, dn_qt, dn_si, _ = torch.ops.mmfuse.fp8_linear_forward(
-            g, down, None, dn_x, dn_w, None, None, None, dynamic, True, True, False, True)
+        # the weights' transposed fp8 copies (the input-gradient GEMMs' operands) are not saved: the
+        # backward makes them again from the weights, the same bits, one at a time
+        g, x_qt, x_si, _, _, _, _ = torch.ops.mmfuse.fp8_linear_forward(
+            x, gate_up, None, gu_x, gu_w, None, None, None, dynamic, True, False, False)
+        y, a_qt, a_si, _, _, _, _ = torch.ops.mmfuse.fp8_linear_forward(
+            g, down, None, dn_x, dn_w, None, None, None, dynamic, True, False, False, True)
         g_q, g_si = torch.ops.mmfuse.swiglu_pack_fp8(g)
         del g
-        first = (g_q, g_si, a_qt, a_si, dn_qt, dn_si)
+        first = (g_q, g_si, a_qt, a_si)
         ctx.saved_all = torch.compiler.is_compiling() or _saved_tensor_hooks_active()
+        kept = (x_qt, x_si, gate_up, down, gu_w, gu_g, dn_w, dn_g)
         if ctx.saved_all:
-            ctx.save_for_backward(x_qt, x_si, gu_qt, gu_si, gu_g, dn_g, *first)
+            ctx.save_for_backward(*kept, *first)
         else:
-            ctx.save_for_backward(x_qt, x_si, gu_qt, gu_si, gu_g, dn_g)
+            ctx.save_for_backward(*kept)
             ctx.first = first
         ctx.grad_e5m2, ctx.dynamic, ctx.k = grad_e5m2, dynamic, (x.shape[1], down.shape[1])
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_qt, x_si, gu_qt, gu_si, gu_g, dn_g, *first = ctx.saved_tensors
+        x_qt, x_si, gate_up, down, gu_w, gu_g, dn_w, dn_g, *first = ctx.saved_tensors
         if not ctx.saved_all:
             if ctx.first is None:
                 raise RuntimeError("mmfuse fp8 expert: its backward lets go of its saved tensors as it reads them: a "
                                    "second backward through the same graph (retain_graph=True) is not supported")
             first, ctx.first = list(ctx.first), None
-        g_q, g_si, a_qt, a_si, dn_qt, dn_si = first
+        g_q, g_si, a_qt, a_si = first
         del first
         need_dx, need_dgu, need_ddn = ctx.needs_input_grad[:3]
         H, inter = ctx.k
         e5m2, dynamic = ctx.grad_e5m2, ctx.dynamic
+        # a weight's transposed copy as the forward made it (dynamic, per tensor: the same scale and bits)
+        _, dn_qt, dn_si, _ = torch.ops.mmfuse.fp8_quantize(down, dn_w, False, True, False, True, False)
         da, ddown, _ = torch.ops.mmfuse.fp8_linear_backward(
             dy.to(torch.bfloat16), a_qt, a_si, dn_qt, dn_si, dn_g, inter, dynamic, e5m2, True, need_ddn, False, False,
             None, None, False)
         del a_qt, a_si, dn_qt, dn_si
-        dg, _ = torch.ops.mmfuse.swiglu_backward_fp8(da, g_q, g_si, False)
-        del da, g_q, g_si
+        _, gu_qt, gu_si, _ = torch.ops.mmfuse.fp8_quantize(gate_up, gu_w, False, True, False, True, False)
+        # the SwiGLU gradient quantized straight from da and the pack (never written in bf16)
         dx, dgu, _ = torch.ops.mmfuse.fp8_linear_backward(
-            dg, x_qt, x_si, gu_qt, gu_si, gu_g, H, dynamic, e5m2, need_dx, need_dgu, False, False, None, None, False)
+            da, x_qt, x_si, gu_qt, gu_si, gu_g, H, dynamic, e5m2, need_dx, need_dgu, False, False, None, None, False,
+            g_q, g_si)
         return (dx if need_dx else None, dgu if need_dgu else None, ddown if need_ddn else None, None, None, None)
 
 

@@ -27,6 +27,7 @@
 #include "cuda/swiglu_value.cuh"
 #include "backends/fp8.h"
 #include "mmfuse/fp8.h"
+#include "mmfuse/swiglu.h"
 
 namespace mmfuse {
 namespace detail {
@@ -57,7 +58,18 @@ struct Job {
   int first_block, blocks;
   bool e4m3, dynamic, vec, per_row;
   bool swiglu;  // src is [rows, 2 cols] gate | up: the values are swiglu(gate, up) (swiglu_value)
+  // swiglu_grad: src is dy [rows, half], the values the [gate | up] gradient [rows, cols = 2 half] from
+  // the pack (swiglu_grad_value of the unpacked gate and up)
+  bool swiglu_grad;
+  const uint8_t* pack_q;  // [rows, ld_pack] e4m3
+  const float* pack_si;   // [rows, ld_pack_si]
+  int64_t ld_pack, ld_pack_si, half;
+  bool both;  // swiglu_grad, q only, vec: the cast walks the gate half and writes both halves' q
 };
+
+// The source kinds (a template parameter of the kernels that read x): x itself, the swiglu of a
+// [gate | up] source, the [gate | up] gradient from a pack and dy.
+constexpr int kPlainSrc = 0, kSwigluSrc = 1, kGradSrc = 2;
 
 struct Jobs {
   Job j[2];
@@ -86,12 +98,35 @@ __device__ __forceinline__ float src_value(S g, S u) {
   else return to_f(g);
 }
 
+// Column c of row i of the [gate | up] gradient (a swiglu_grad source; c < cols, i < rows).
+template <class S>
+__device__ __forceinline__ float grad_at(const Job& jb, int64_t i, int64_t c) {
+  const bool up = c >= jb.half;
+  const int64_t k = up ? c - jb.half : c;
+  const uint8_t* qr = jb.pack_q + i * jb.ld_pack;
+  const float* sr = jb.pack_si + i * jb.ld_pack_si;
+  S dg, du, y;
+  cuda::swiglu_grad_value<S, false>(cuda::swiglu_unpack(qr[k], sr[k / kSwigluPackTile]),
+                                    cuda::swiglu_unpack(qr[jb.half + k], sr[(jb.half + k) / kSwigluPackTile]),
+                                    to_f(static_cast<const S*>(jb.src)[i * jb.ld + k]), dg, du, y);
+  return to_f(up ? du : dg);
+}
+
 // The thread's 16 values of row i of the tile at column c0 (zero outside the tensor).
-template <class S, bool kSwiglu>
+template <class S, int kSrc>
 __device__ __forceinline__ void load16(const Job& jb, int64_t i, int64_t c0, int tc, float (&v)[16]) {
+  constexpr bool kSwiglu = kSrc == kSwigluSrc;
 #pragma unroll
   for (int e = 0; e < 16; ++e) v[e] = 0.0f;
   if (i >= jb.rows) return;
+  if constexpr (kSrc == kGradSrc) {  // one value at a time (the amax pass: a fresh or dynamic state only)
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      const int64_t c = c0 + col16<S>(tc, e);
+      if (c < jb.cols) v[e] = grad_at<S>(jb, i, c);
+    }
+    return;
+  }
   const S* row = static_cast<const S*>(jb.src) + i * jb.ld + c0;
   const int64_t left = jb.cols - c0;      // columns of x from the tile's first on
   constexpr int V = 16 / int(sizeof(S));  // values of one 16-byte run
@@ -133,18 +168,18 @@ __device__ __forceinline__ void store_words(uint8_t* row, int64_t left, int tc, 
 }
 
 // The thread's 16 values of tile t.
-template <class S, bool kSwiglu>
+template <class S, int kSrc>
 __device__ __forceinline__ void load_tile(const Job& jb, int64_t t, int tr, int tc, float (&v)[16]) {
-  load16<S, kSwiglu>(jb, (t / jb.tiles_c) * kTile + tr, (t % jb.tiles_c) * kTile, tc, v);
+  load16<S, kSrc>(jb, (t / jb.tiles_c) * kTile + tr, (t % jb.tiles_c) * kTile, tc, v);
 }
 
 // Calls body(t, v) for the block's tiles t of jb in order, v = the thread's 16 values of tile t (zero
 // outside x). Called by the whole block (body may synchronise it: every thread walks the same tiles).
-template <class S, bool kSwiglu = false, class Body>
+template <class S, int kSrc = kPlainSrc, class Body>
 __device__ __forceinline__ void for_each_tile(const Job& jb, int tr, int tc, Body&& body) {
   float v[16];
   for (int64_t t = int(blockIdx.x) - jb.first_block; t < jb.tiles; t += jb.blocks) {
-    load_tile<S, kSwiglu>(jb, t, tr, tc, v);
+    load_tile<S, kSrc>(jb, t, tr, tc, v);
     body(t, v);
   }
 }
@@ -220,7 +255,7 @@ __device__ __forceinline__ const Job& my_job(const Jobs& jobs) {
   return jobs.n > 1 && int(blockIdx.x) >= jobs.j[1].first_block ? jobs.j[1] : jobs.j[0];
 }
 
-template <class S, bool kSwiglu>
+template <class S, int kSrc>
 __global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const __grid_constant__ Jobs jobs) {
   __shared__ float red[kThreads / 32];
   const Job& jb = my_job(jobs);
@@ -231,7 +266,7 @@ __global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const __grid_constan
   }
   const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16;
   float amax = 0.0f;
-  for_each_tile<S, kSwiglu>(jb, tr, tc, [&](int64_t, const float(&v)[16]) {
+  for_each_tile<S, kSrc>(jb, tr, tc, [&](int64_t, const float(&v)[16]) {
 #pragma unroll
     for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fp8_finite_abs(v[e]));
   });
@@ -360,9 +395,59 @@ __device__ __forceinline__ void half_partials(const Job& jb, float (&s)[16], int
   }
 }
 
-template <class S, bool kColSums, bool kSwiglu>
+// vec: the gate (vg) and up (vu) gradients of row i, columns k .. k + 15 of the gate half (k < half, a
+// multiple of 16; i < rows), from whole 16-byte runs of dy, gate and up.
+template <class S>
+__device__ __forceinline__ void grad16_vec(const Job& jb, int64_t i, int64_t k, float (&vg)[16], float (&vu)[16]) {
+  constexpr int V = 16 / int(sizeof(S));
+  Raw16<S> d;
+#pragma unroll
+  for (int e = 0; e < 16; e += V)
+    *reinterpret_cast<uint4*>(&d.s[e]) = __ldg(reinterpret_cast<const uint4*>(static_cast<const S*>(jb.src) +
+                                                                               i * jb.ld + k + e));
+  const uint8_t* qr = jb.pack_q + i * jb.ld_pack;
+  const uint4 graw = __ldg(reinterpret_cast<const uint4*>(qr + k));
+  const uint4 uraw = __ldg(reinterpret_cast<const uint4*>(qr + jb.half + k));
+  const uint8_t* gq = reinterpret_cast<const uint8_t*>(&graw);
+  const uint8_t* uq = reinterpret_cast<const uint8_t*>(&uraw);
+  const float* sr = jb.pack_si + i * jb.ld_pack_si;
+  const float gs = sr[k / kSwigluPackTile], us = sr[(jb.half + k) / kSwigluPackTile];
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    S dg, du, y;
+    cuda::swiglu_grad_value<S, false>(cuda::swiglu_unpack(gq[e], gs), cuda::swiglu_unpack(uq[e], us), to_f(d.s[e]), dg,
+                                      du, y);
+    vg[e] = to_f(dg);
+    vu[e] = to_f(du);
+  }
+}
+
+// The 16 values of row i, columns cc .. cc + 15 (cc a multiple of 16), of the [gate | up] gradient
+// (zero outside it). vec (half a multiple of 16, aligned rows): the 16 columns lie in one half and one
+// pack tile, so dy, gate and up load as whole 16-byte runs.
+template <class S>
+__device__ __forceinline__ void grad16(const Job& jb, int64_t i, int64_t cc, float (&v)[16]) {
+#pragma unroll
+  for (int e = 0; e < 16; ++e) v[e] = 0.0f;
+  if (i >= jb.rows || cc >= jb.cols) return;
+  if (!jb.vec) {
+#pragma unroll
+    for (int e = 0; e < 16; ++e)
+      if (cc + e < jb.cols) v[e] = grad_at<S>(jb, i, cc + e);
+    return;
+  }
+  const bool up = cc >= jb.half;
+  float vg[16], vu[16];
+  grad16_vec<S>(jb, i, up ? cc - jb.half : cc, vg, vu);
+#pragma unroll
+  for (int e = 0; e < 16; ++e) v[e] = up ? vu[e] : vg[e];
+}
+
+template <class S, bool kColSums, int kSrc>
 __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constant__ Jobs jobs) {
-  constexpr int kAhead = cast_ahead<S, kColSums, kSwiglu>();
+  constexpr bool kSwiglu = kSrc == kSwigluSrc, kGrad = kSrc == kGradSrc;
+  // a swiglu_grad source loads as it computes (grad16), one pass at a time
+  constexpr int kAhead = kGrad ? 1 : cast_ahead<S, kColSums, kSwiglu>();
   __shared__ __align__(16) uint32_t tile[kCastTile * kCastWords];
   __shared__ float red[kThreads / 32];
   __shared__ float sums[kColSums ? kThreads / 32 : 1][kCastTile];
@@ -381,9 +466,10 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constan
     float s[16];
 #pragma unroll
     for (int p0 = 0; p0 < 4; p0 += kAhead) {
-      Raw16<S> raw[kAhead], raw_up[kSwiglu ? kAhead : 1];
+      Raw16<S> raw[kGrad ? 1 : kAhead], raw_up[kSwiglu ? kAhead : 1];
 #pragma unroll
       for (int a = 0; a < kAhead; ++a) {
+        if constexpr (kGrad) continue;
         load_pass<S>(jb, r0 + 32 * (p0 + a) + lr, cc, raw[a]);
         if constexpr (kSwiglu) load_pass<S>(jb, r0 + 32 * (p0 + a) + lr, cc, raw_up[a], jb.cols);
       }
@@ -391,10 +477,36 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constan
       for (int a = 0; a < kAhead; ++a) {
         const int p = p0 + a, r = 32 * p + lr;
         float v[16];
+        if constexpr (kGrad) {
+          if (jb.both) {  // columns cc .. cc + 15 of the gate half: their gate and up gradients' rows of q
+            float vu[16];
+            if (r0 + r < jb.rows && cc < jb.half) {
+              grad16_vec<S>(jb, r0 + r, cc, v, vu);
+            } else {  // a padding row: zeros
 #pragma unroll
-        for (int e = 0; e < 16; ++e) {
-          if constexpr (kSwiglu) v[e] = src_value<S, true>(raw[a].s[e], raw_up[a].s[e]);
-          else v[e] = to_f(raw[a].s[e]);
+              for (int e = 0; e < 16; ++e) v[e] = vu[e] = 0.0f;
+            }
+            uint32_t w[4], wu[4];
+            pack_fp8(v, [&](int) { return scale; }, fmt, w);
+            pack_fp8(vu, [&](int) { return scale; }, fmt, wu);
+            if (!jb.dynamic) {
+#pragma unroll
+              for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fmaxf(fp8_finite_abs(v[e]), fp8_finite_abs(vu[e])));
+            }
+            if (r0 + r < jb.prows && cc < jb.half) {
+              uint8_t* qr = jb.q + (r0 + r) * jb.ldq;
+              *reinterpret_cast<uint4*>(qr + cc) = make_uint4(w[0], w[1], w[2], w[3]);
+              *reinterpret_cast<uint4*>(qr + jb.half + cc) = make_uint4(wu[0], wu[1], wu[2], wu[3]);
+            }
+            continue;
+          }
+          grad16<S>(jb, r0 + r, cc, v);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 16; ++e) {
+            if constexpr (kSwiglu) v[e] = src_value<S, true>(raw[a].s[e], raw_up[a].s[e]);
+            else v[e] = to_f(raw[a].s[e]);
+          }
         }
         uint32_t w[4];
         pack_fp8(v, [&](int) { return scale; }, fmt, w);
@@ -552,8 +664,16 @@ Job make_job(const Fp8QuantJob& in, bool for_cast) {
   j.src = in.src.data;
   j.rows = in.src.shape[0];
   j.swiglu = in.swiglu;
-  j.cols = in.swiglu ? in.src.shape[1] / 2 : in.src.shape[1];
-  j.ld = j.rows > 1 ? in.src.stride[0] : j.cols;
+  j.swiglu_grad = in.swiglu_grad;
+  j.cols = in.swiglu ? in.src.shape[1] / 2 : in.swiglu_grad ? 2 * in.src.shape[1] : in.src.shape[1];
+  j.ld = j.rows > 1 ? in.src.stride[0] : in.swiglu_grad ? in.src.shape[1] : j.cols;
+  if (in.swiglu_grad) {
+    j.half = in.src.shape[1];
+    j.pack_q = in.pack_q.ptr<uint8_t>();
+    j.pack_si = in.pack_scale_inv.ptr<float>();
+    j.ld_pack = j.rows > 1 ? in.pack_q.stride[0] : in.pack_q.shape[1];
+    j.ld_pack_si = j.rows > 1 ? in.pack_scale_inv.stride[0] : in.pack_scale_inv.shape[1];
+  }
   j.q = in.q.defined() ? in.q.ptr<uint8_t>() : nullptr;
   j.ldq = in.q.defined() ? in.q.shape[1] : 0;
   j.qt = in.qt.defined() ? in.qt.ptr<uint8_t>() : nullptr;
@@ -572,10 +692,18 @@ Job make_job(const Fp8QuantJob& in, bool for_cast) {
   j.dynamic = in.dynamic;
   const int64_t v = 16 / int64_t(dtype_size(in.src.dtype));
   j.vec = j.cols % v == 0 && j.ld % v == 0 && cuda::alignment(j.src) >= 16;
+  if (in.swiglu_grad) {  // grad16's whole runs: 16 columns in one half, dy's and the pack's rows aligned
+    j.vec = j.half % 16 == 0 && j.ld % v == 0 && cuda::alignment(j.src) >= 16 && j.ld_pack % 16 == 0 &&
+            cuda::alignment(j.pack_q) >= 16;
+    // q alone: each value of dy and the pack read once, both halves written from it (cols = 2 half:
+    // no padding columns)
+    j.both = j.vec && !j.qt;
+  }
   j.ldp = cdiv(j.pcols, kTile) * kTile;
   // extents walked: the cast covers the padding it writes (zeros), the amax pass only x; the
   // per-tensor cast in 128 x 128 tiles, the other kernels in 64 x 64
-  const int64_t rows = for_cast ? fp8_padded(j.rows) : j.rows, cols = for_cast ? fp8_padded(j.cols) : j.cols;
+  const int64_t rows = for_cast ? fp8_padded(j.rows) : j.rows;
+  const int64_t cols = for_cast ? (j.both ? j.half : fp8_padded(j.cols)) : j.cols;
   const int64_t tile = for_cast && !in.per_row ? kCastTile : kTile;
   j.tiles_c = std::max<int64_t>(1, cdiv(cols, tile));
   j.tiles = rows > 0 && cols > 0 ? cdiv(rows, tile) * j.tiles_c : 0;
@@ -623,17 +751,20 @@ void launch(const Fp8QuantJob* in, const int* idx, int n, bool amax_pass, cudaSt
   const unsigned blocks = assign_blocks(jobs, amax_pass);
   dispatch_src(in[idx[0]].src.dtype, [&](auto tag) {
     using S = decltype(tag);
-    // the same for the jobs of one launch: per row, swiglu (neither with the other nor with sums: checked)
-    const bool rows = in[idx[0]].per_row, sw = in[idx[0]].swiglu;
+    // the same for the jobs of one launch: per row, swiglu, swiglu_grad (none with another nor with sums:
+    // checked)
+    const bool rows = in[idx[0]].per_row, sw = in[idx[0]].swiglu, gr = in[idx[0]].swiglu_grad;
     const bool sums = !amax_pass && jobs.j[0].col_sums != nullptr;  // a single job then (checked)
     if (amax_pass && rows) run<fp8_amax_rows_kernel<S>>("fp8_amax_rows_kernel", blocks, jobs, stream);
-    else if (amax_pass && sw) run<fp8_amax_kernel<S, true>>("fp8_amax_kernel", blocks, jobs, stream);
-    else if (amax_pass) run<fp8_amax_kernel<S, false>>("fp8_amax_kernel", blocks, jobs, stream);
+    else if (amax_pass && sw) run<fp8_amax_kernel<S, kSwigluSrc>>("fp8_amax_kernel", blocks, jobs, stream);
+    else if (amax_pass && gr) run<fp8_amax_kernel<S, kGradSrc>>("fp8_amax_kernel", blocks, jobs, stream);
+    else if (amax_pass) run<fp8_amax_kernel<S, kPlainSrc>>("fp8_amax_kernel", blocks, jobs, stream);
     else if (rows && sums) run<fp8_cast_rows_kernel<S, true>>("fp8_cast_rows_kernel", blocks, jobs, stream);
     else if (rows) run<fp8_cast_rows_kernel<S, false>>("fp8_cast_rows_kernel", blocks, jobs, stream);
-    else if (sums) run<fp8_cast_kernel<S, true, false>>("fp8_cast_kernel", blocks, jobs, stream);
-    else if (sw) run<fp8_cast_kernel<S, false, true>>("fp8_cast_kernel", blocks, jobs, stream);
-    else run<fp8_cast_kernel<S, false, false>>("fp8_cast_kernel", blocks, jobs, stream);
+    else if (sums) run<fp8_cast_kernel<S, true, kPlainSrc>>("fp8_cast_kernel", blocks, jobs, stream);
+    else if (sw) run<fp8_cast_kernel<S, false, kSwigluSrc>>("fp8_cast_kernel", blocks, jobs, stream);
+    else if (gr) run<fp8_cast_kernel<S, false, kGradSrc>>("fp8_cast_kernel", blocks, jobs, stream);
+    else run<fp8_cast_kernel<S, false, kPlainSrc>>("fp8_cast_kernel", blocks, jobs, stream);
     if (sums && jobs.j[0].cols > 0) {
       const Job& j = jobs.j[0];
       const unsigned grid = unsigned(cdiv(j.cols, kSumCols));
@@ -649,7 +780,7 @@ void fp8_quantize_cuda(Fp8QuantJob* jobs, int n, cudaStream_t stream) {
   // both tensors in one launch each (a mix of dtypes, recipes or sources launches separately)
   const int all[2] = {0, 1};
   const bool same = n == 1 || (jobs[0].src.dtype == jobs[1].src.dtype && jobs[0].per_row == jobs[1].per_row &&
-                               jobs[0].swiglu == jobs[1].swiglu);
+                               jobs[0].swiglu == jobs[1].swiglu && jobs[0].swiglu_grad == jobs[1].swiglu_grad);
   if (same) {
     launch(jobs, all, n, true, stream);
   } else {
