@@ -368,6 +368,26 @@ def test_cuda_compile_fullgraph():
     assert torch.equal(torch.compile(f, fullgraph=True)(x, idx, probs), f(x, idx, probs))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_seed_permute_on_cuda_needs_no_sync():
+    # no expert count in the seed's signature: the plan takes its maximum instead of reading the ids'
+    # (a host sync); the same rows and map as with the exact count
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 64, generator=g).cuda()
+    idx = _indices(300, 4, 37, g).cuda()
+    p = mmfuse.moe_permute(x, idx, 37)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows, row_id_map, _ = backend.permute(x, idx, 0, None, 0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(rows, p.rows) and torch.equal(row_id_map, p.row_id_map)
+    rows, row_id_map, _ = backend.permute(x, idx, 1000, None, 0)  # the first 1000 rows of the order
+    q = mmfuse.moe_permute(x, idx, 37, 1000)
+    assert torch.equal(rows, q.rows) and torch.equal(row_id_map, q.row_id_map)
+
+
 def test_seed_backend_functions():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(6, 8, generator=g)
