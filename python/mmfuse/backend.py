@@ -103,25 +103,17 @@ def get_window_index(grid_thw: Tensor, spatial_merge_size: int, vit_merger_windo
     return w.window_index, w.cu_window_seqlens
 
 
-# the most experts moe_plan takes on CUDA (include/mmfuse/moe.h: kMoeMaxExpertsCuda)
-MAX_CUDA_EXPERTS = 4096
-
-
 def permute(input: Tensor, indices: Tensor, num_out_tokens: int, workspace, max_expanded_token_num: int):
     """Seed ``permute``: returns ``(permuted, row_id_map, workspace)`` as the seed's kernel did, with the
     corrected semantics of :func:`mmfuse.moe_permute` (stable counting sort, no default stream, no
     process-global cache). ``workspace`` is accepted and returned unchanged (mmfuse takes its scratch
     from PyTorch's caching allocator, per call, on the current stream); ``max_expanded_token_num`` is
     ignored (sizes come from ``indices``); ``num_out_tokens`` 0 keeps all.
-    The seed's signature has no expert count. On CUDA the plan takes the most it supports
-    (``MAX_CUDA_EXPERTS``, 4096): the order is the same for any count above the largest id, and reading
-    that id would cost a host sync; an id past it stops with the plan's device-side assertion. On the
-    CPU it is ``indices.max() + 1``."""
+    The seed's signature has no expert count: it is ``indices.max() + 1``, which costs one host sync
+    (call :func:`mmfuse.moe_permute` with ``num_experts`` to avoid it). The sync is kept: the plan at its
+    largest expert count (4096, which would need no sync) measured slower than the sync costs."""
     del max_expanded_token_num
-    if indices.is_cuda:
-        num_experts = MAX_CUDA_EXPERTS
-    else:
-        num_experts = int(indices.max()) + 1 if indices.numel() else 1
+    num_experts = int(indices.max()) + 1 if indices.numel() else 1
     rows, row_id_map, _ = _moe.moe_permute(input, indices, num_experts, num_out_tokens)
     return rows, row_id_map, workspace
 
