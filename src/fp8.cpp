@@ -7,13 +7,14 @@
 #include "mmfuse/swiglu.h"
 
 #include "common/dispatch.h"
+#include "common/overlap.h"
 
 namespace mmfuse {
 namespace {
 
 bool is_fp8(DType t) { return t == DType::kFloat8E4M3 || t == DType::kFloat8E5M2; }
 
-bool dense(const TensorView& v) {  // contiguous, any rank (an empty tensor is)
+bool contiguous(const TensorView& v) {  // contiguous, any rank (an empty tensor is)
   if (v.numel() == 0) return true;
   int64_t expect = 1;
   for (int i = v.ndim - 1; i >= 0; --i) {
@@ -39,7 +40,7 @@ void check_scalar_f32(const char* op, const char* name, const TensorView& v, Dev
 }
 
 void check_vector_f32(const char* op, const char* name, const TensorView& v, int64_t n, Device dev) {
-  MMFUSE_CHECK(v.defined() && v.ndim == 1 && v.dtype == DType::kFloat32 && v.shape[0] == n && dense(v) &&
+  MMFUSE_CHECK(v.defined() && v.ndim == 1 && v.dtype == DType::kFloat32 && v.shape[0] == n && contiguous(v) &&
                    v.device == dev,
                op, ": ", name, ": expected a contiguous float32 [", n, "] on ", device_name(dev), ", got ",
                v.defined() ? shape_str(v) + " " + dtype_name(v.dtype) : std::string("none"));
@@ -99,7 +100,7 @@ void check_job(const char* op, const Fp8QuantJob& j, Device dev) {
     fmt = v->dtype;
     MMFUSE_CHECK(v->shape[0] == rows && v->shape[1] == cols, op, ": ", name, ": expected shape [", rows, ", ", cols,
                  "] (both dims padded to a multiple of ", kFp8Align, "), got ", shape_str(*v));
-    MMFUSE_CHECK(dense(*v), op, ": ", name, ": expected a contiguous tensor");
+    MMFUSE_CHECK(contiguous(*v), op, ": ", name, ": expected a contiguous tensor");
   }
   if (j.per_row) {
     MMFUSE_CHECK(j.dynamic, op, ": per_row: scales per row are always dynamic (dynamic=False is per tensor only)");
@@ -110,7 +111,7 @@ void check_job(const char* op, const Fp8QuantJob& j, Device dev) {
   }
   check_scalar_f32(op, "scale_inv", j.scale_inv, dev);
   MMFUSE_CHECK(j.state.defined() && j.state.ndim == 1 && j.state.dtype == DType::kFloat32 && j.state.shape[0] >= 3 &&
-                   dense(j.state) && j.state.device == dev,
+                   contiguous(j.state) && j.state.device == dev,
                op, ": state: expected a contiguous float32 [history + 2] buffer (history >= 1) on ", device_name(dev),
                ", got ", j.state.defined() ? shape_str(j.state) + " " + dtype_name(j.state.dtype) : std::string("none"));
 }
@@ -145,6 +146,26 @@ void fp8_quantize(Fp8QuantJob* jobs, int num_jobs, cudaStream_t stream) {
   MMFUSE_CUDA_BACKEND(op, stream, detail::fp8_quantize_cuda(jobs, num_jobs, stream));
 }
 
+void fp8_transpose(const TensorView& q, TensorView& qt, cudaStream_t stream) {
+  const char* op = "fp8_transpose";
+  MMFUSE_CHECK(q.defined(), op, ": q is missing");
+  const Device dev = q.device;
+  check_2d(op, "q", q, dev);
+  check_2d(op, "qt", qt, dev);
+  MMFUSE_CHECK(is_fp8(q.dtype) && qt.dtype == q.dtype, op, ": expected q and qt of one fp8 dtype, got ",
+               dtype_name(q.dtype), " and ", dtype_name(qt.dtype));
+  const int64_t r = q.shape[0], c = q.shape[1];
+  MMFUSE_CHECK(r % kFp8Align == 0 && c % kFp8Align == 0, op, ": q: expected both dims multiples of ", kFp8Align,
+               " (a padded copy), got ", shape_str(q));
+  MMFUSE_CHECK(qt.shape[0] == c && qt.shape[1] == r, op, ": qt: expected shape [", c, ", ", r, "], got ", shape_str(qt));
+  MMFUSE_CHECK(contiguous(q) && contiguous(qt), op, ": q and qt: expected contiguous tensors");
+  check_not_expanded(op, qt, "qt");
+  check_no_overlap(op, qt, "qt", q, "q");
+  if (r * c == 0) return;
+  if (dev.type == DeviceType::kCPU) return detail::fp8_transpose_cpu(q, qt);
+  MMFUSE_CUDA_BACKEND(op, stream, detail::fp8_transpose_cuda(q, qt, stream));
+}
+
 int64_t fp8_gemm_workspace_bytes() { return int64_t(32) << 20; }  // cuBLAS's recommendation for Hopper
 
 void fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& scale_a, const TensorView& scale_b,
@@ -162,7 +183,7 @@ void fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& scale_
                  " (fp8_quantize pads it), got shape ", shape_str(*v));
     MMFUSE_CHECK(v != &b || v->shape[0] % kFp8Align == 0, op, ": b: expected n (its rows) a multiple of ", kFp8Align,
                  " (fp8_quantize pads it), got shape ", shape_str(*v));
-    MMFUSE_CHECK(dense(*v), op, ": ", name, ": expected a contiguous tensor");
+    MMFUSE_CHECK(contiguous(*v), op, ": ", name, ": expected a contiguous tensor");
   }
   MMFUSE_CHECK(a.dtype == DType::kFloat8E4M3 || b.dtype == DType::kFloat8E4M3, op,
                ": a and b: at most one of them may be float8_e5m2, got both");
@@ -171,7 +192,7 @@ void fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& scale_
   const int64_t m = a.shape[0], n = b.shape[0];
   const bool vec = scale_a.defined() && scale_a.numel() != 1;
   if (vec) {  // per row: scale_a covers a's rows (a padded copy may have more), scale_b b's
-    MMFUSE_CHECK(scale_a.ndim == 1 && scale_a.dtype == DType::kFloat32 && scale_a.shape[0] >= m && dense(scale_a) &&
+    MMFUSE_CHECK(scale_a.ndim == 1 && scale_a.dtype == DType::kFloat32 && scale_a.shape[0] >= m && contiguous(scale_a) &&
                      scale_a.device == dev,
                  op, ": scale_a: expected float32 [1] or a contiguous float32 vector of >= ", m,
                  " (one per row of a), got ", shape_str(scale_a), " ", dtype_name(scale_a.dtype));
@@ -186,7 +207,7 @@ void fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& scale_
                shape_str(out));
   const bool empty = m == 0 || n == 0;
   // contiguous: cuBLASLt's fp8 kernels refuse a padded row stride
-  MMFUSE_CHECK(empty || dense(out), op, ": out: expected a contiguous tensor, got strides [", out.stride[0], ", ",
+  MMFUSE_CHECK(empty || contiguous(out), op, ": out: expected a contiguous tensor, got strides [", out.stride[0], ", ",
                out.stride[1], "]");
   MMFUSE_CHECK(!o.accumulate || out.dtype == DType::kFloat32, op, ": accumulate=True needs a float32 out, got ",
                dtype_name(out.dtype));
@@ -194,7 +215,7 @@ void fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& scale_
     MMFUSE_CHECK(!o.accumulate && out.dtype == DType::kBFloat16, op,
                  ": bias: only with a bfloat16 out and accumulate=False");
     MMFUSE_CHECK(a.shape[1] > 0, op, ": bias: not supported with k = 0");
-    MMFUSE_CHECK(bias.ndim == 1 && bias.shape[0] == n && bias.dtype == DType::kBFloat16 && dense(bias) &&
+    MMFUSE_CHECK(bias.ndim == 1 && bias.shape[0] == n && bias.dtype == DType::kBFloat16 && contiguous(bias) &&
                      bias.device == dev,
                  op, ": bias: expected a contiguous bfloat16 [", n, "] on ", device_name(dev), ", got ",
                  shape_str(bias), " ", dtype_name(bias.dtype));

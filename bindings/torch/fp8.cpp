@@ -65,15 +65,33 @@ Fp8QuantJob make_job(const Tensor& x, Tensor& state, bool rowwise, bool transpos
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_quantize_impl(const Tensor& x_in, Tensor& state, bool rowwise,
-                                                             bool transposed, bool e5m2, bool dynamic, bool per_row) {
+                                                             bool transposed, bool e5m2, bool dynamic, bool per_row,
+                                                             const OptTensor& swiglu_q,
+                                                             const OptTensor& swiglu_scale_inv) {
   const Tensor x = kernel_ready(x_in);
+  TORCH_CHECK_VALUE(swiglu_q.has_value() == swiglu_scale_inv.has_value(), "mmfuse.fp8_quantize: swiglu_q and "
+                    "swiglu_scale_inv: expected both or neither, got ", swiglu_q ? "swiglu_q only" : "swiglu_scale_inv only");
+  const Tensor pq = swiglu_q ? kernel_ready(*swiglu_q) : Tensor();
+  const Tensor ps = swiglu_scale_inv ? kernel_ready(*swiglu_scale_inv) : Tensor();
   Quantized out;
   guarded("fp8_quantize", [&] {
-    Fp8QuantJob j = make_job(x, state, rowwise, transposed, e5m2, dynamic, per_row, out);
+    Fp8QuantJob j = make_job(x, state, rowwise, transposed, e5m2, dynamic, per_row, out, false,
+                             swiglu_q ? &pq : nullptr, swiglu_q ? &ps : nullptr);
     c10::OptionalDeviceGuard g(x.device());
     fp8_quantize(&j, 1, current_stream(x));
   });
   return {out.q, out.qt, out.scale_inv, out.scale_inv_t};
+}
+
+Tensor fp8_transpose_impl(const Tensor& q_in) {
+  const Tensor q = kernel_ready(q_in);
+  Tensor qt = at::empty(q.dim() == 2 ? at::IntArrayRef{q.size(1), q.size(0)} : at::IntArrayRef{0}, q.options());
+  guarded("fp8_transpose", [&] {
+    TensorView out = view(qt, "qt");
+    c10::OptionalDeviceGuard g(q.device());
+    fp8_transpose(view(q, "q"), out, current_stream(q));
+  });
+  return qt;
 }
 
 Tensor gemm_workspace(const Tensor& t) {
@@ -202,9 +220,10 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_backward_impl(
   Tensor dx = empty0(g), dw = empty0(g), db = empty0(g);
   const bool fused_db = need_db && (need_dx || dw_fp8);  // db from the gradient's cast, else a column sum
   Tensor col_sums, partials;
-  auto quantize = [&](bool rowwise, bool transposed, Tensor& state, Quantized& out) {
+  Quantized gq;
+  if (need_dx || dw_fp8) {
     guarded("fp8_linear_backward", [&] {
-      Fp8QuantJob j = make_job(g, state, rowwise, transposed, e5m2, dynamic || per_row, per_row, out, false,
+      Fp8QuantJob j = make_job(g, g_state, need_dx, dw_fp8, e5m2, dynamic || per_row, per_row, gq, false,
                                packed ? &pq : nullptr, packed ? &ps : nullptr);
       if (fused_db) {
         const auto f32 = g.options().dtype(at::kFloat);
@@ -216,22 +235,10 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_backward_impl(
       c10::OptionalDeviceGuard dg(g.device());
       fp8_quantize(&j, 1, current_stream(g));
     });
-  };
+  }
   const int64_t m = rows(g), n = g.dim() == 2 ? g.size(1) * (packed ? 2 : 1) : 0;
-  Quantized gq;
-  // From a pack, the two copies are made one at a time, each right before its GEMM (the gradient's
-  // sources are read twice): the row-major copy is gone before the transposed one exists, which is
-  // the step's peak in an fp8 SwiGLU MLP's backward. The second cast uses the history as the first
-  // found it (a copy of the state), so both copies get the same scale and the amax is recorded once.
-  const bool split = packed && need_dx && dw_fp8;
-  Tensor state_before = split ? g_state.clone() : Tensor();
-  if (need_dx || dw_fp8) quantize(need_dx, dw_fp8 && !split, g_state, gq);
   if (need_dx) {
     dx = product("fp8_linear_backward", gq.q, w_qt, gq.scale_inv, w_scale_inv, std::nullopt, m, k, false, false);
-  }
-  if (split) {
-    gq = Quantized{};
-    quantize(false, true, state_before, gq);
   }
   if (need_dw) {
     if (dw_fp8) {
@@ -255,6 +262,7 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_backward_impl(
 
 TORCH_LIBRARY_IMPL(mmfuse, CPU, m) {
   m.impl("fp8_quantize", &fp8_quantize_impl);
+  m.impl("fp8_transpose", &fp8_transpose_impl);
   m.impl("fp8_gemm", &fp8_gemm_impl);
   m.impl("fp8_gemm_out", &fp8_gemm_out_impl);
   m.impl("fp8_linear_forward", &fp8_linear_forward_impl);
@@ -262,6 +270,7 @@ TORCH_LIBRARY_IMPL(mmfuse, CPU, m) {
 }
 TORCH_LIBRARY_IMPL(mmfuse, CUDA, m) {
   m.impl("fp8_quantize", &fp8_quantize_impl);
+  m.impl("fp8_transpose", &fp8_transpose_impl);
   m.impl("fp8_gemm", &fp8_gemm_impl);
   m.impl("fp8_gemm_out", &fp8_gemm_out_impl);
   m.impl("fp8_linear_forward", &fp8_linear_forward_impl);

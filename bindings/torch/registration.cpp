@@ -80,7 +80,9 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
 // FP8 linear (python/mmfuse/fp8.py), SEMANTICS.md section 7. state: float32 [history + 2] amax state
 // (include/mmfuse/fp8.h), mutated (unused per row). fp8_quantize: (q [pad16(R), pad16(C)], qt
 // [pad16(C), pad16(R)], scale_inv: [1] or per row [pad16(R)], scale_inv_t: per row [pad16(C)] (qt's),
-// else empty), empty where not asked for. fp8_gemm: (a @ b^T) * scale_a * scale_b (+ bias), a [M, K16],
+// else empty), empty where not asked for; with swiglu_q, swiglu_scale_inv (swiglu_pack_fp8 of a [gate
+// | up] tensor [R, 2C]) x is the gradient of its swiglu and the tensor quantized the [gate | up]
+// gradient [R, 2C]. fp8_transpose: q [R16, C16] -> its transpose [C16, R16], the same bytes. fp8_gemm: (a @ b^T) * scale_a * scale_b (+ bias), a [M, K16],
 // b [N16, K16] fp8, scales both [1] or per row -> [M, N16] bf16 (or fp32); fp8_gemm_out: into out
 // [m, n], m <= M, n <= N16. fp8_linear_forward: (y, x_qt, x_qt_scale_inv, w_q, w_qt, w_q_scale_inv,
 // w_qt_scale_inv (per row only)), the w outputs empty when w's cached copies are given; swiglu_x: x
@@ -92,7 +94,9 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
 TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.set_python_module("mmfuse.fp8");
   m.def("fp8_quantize(Tensor x, Tensor(a!) state, bool rowwise=True, bool transposed=False, bool e5m2=False, "
-        "bool dynamic=True, bool per_row=False) -> (Tensor, Tensor, Tensor, Tensor)");
+        "bool dynamic=True, bool per_row=False, Tensor? swiglu_q=None, Tensor? swiglu_scale_inv=None) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
+  m.def("fp8_transpose(Tensor q) -> Tensor");
   m.def("fp8_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias=None, bool out_fp32=False, "
         "bool fast_accum=True) -> Tensor");
   m.def("fp8_gemm_out(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor(a!) out, bool accumulate=False, "

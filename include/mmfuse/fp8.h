@@ -84,6 +84,11 @@ MMFUSE_API int64_t fp8_col_sum_partials(int64_t rows, int64_t cols);
 // jobs: 1 or 2 tensors, all on one device.
 MMFUSE_API void fp8_quantize(Fp8QuantJob* jobs, int num_jobs, cudaStream_t stream);
 
+// qt [C, R] = q [R, C]^T, bytes moved as they are (any fp8 format; the scale stays the caller's): the
+// transposed copy of a quantized tensor from its row-major one, the same bits as quantizing it
+// transposed. R and C multiples of 16 (padded copies), both contiguous and 16-byte aligned.
+MMFUSE_API void fp8_transpose(const TensorView& q, TensorView& qt, cudaStream_t stream);
+
 struct Fp8GemmOptions {
   bool accumulate = false;  // out += ..., out float32, no bias
   bool fast_accum = true;   // the tensor cores' fast fp8 accumulation (forward); false: split (backward)

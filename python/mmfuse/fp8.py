@@ -347,13 +347,20 @@ def _strided_out(a: Tensor, m: int, n: int, dtype: torch.dtype) -> Tensor:
 
 
 @torch.library.register_fake("mmfuse::fp8_quantize")
-def _fp8_quantize_fake(x, state, rowwise=True, transposed=False, e5m2=False, dynamic=True, per_row=False):
+def _fp8_quantize_fake(x, state, rowwise=True, transposed=False, e5m2=False, dynamic=True, per_row=False,
+                       swiglu_q=None, swiglu_scale_inv=None):
     r, c = x.shape
+    c = 2 * c if swiglu_q is not None else c
     dt = E5M2 if e5m2 else E4M3
     q = x.new_empty((_pad16(r), _pad16(c)) if rowwise else (0,), dtype=dt)
     qt = x.new_empty((_pad16(c), _pad16(r)) if transposed else (0,), dtype=dt)
     si = x.new_empty((_pad16(r) if per_row else 1,), dtype=torch.float32)
     return q, qt, si, x.new_empty((_pad16(c) if per_row and transposed else 0,), dtype=torch.float32)
+
+
+@torch.library.register_fake("mmfuse::fp8_transpose")
+def _fp8_transpose_fake(q):
+    return q.new_empty((q.shape[1], q.shape[0]))
 
 
 @torch.library.register_fake("mmfuse::fp8_gemm")

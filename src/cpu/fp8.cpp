@@ -104,6 +104,16 @@ void fp8_quantize_cpu(const Fp8QuantJob& j) {
   });
 }
 
+void fp8_transpose_cpu(const TensorView& q, TensorView& qt) {
+  const int64_t r = q.shape[0], c = q.shape[1];
+  const uint8_t* in = q.ptr<uint8_t>();
+  uint8_t* out = qt.ptr<uint8_t>();
+  parallel_for(c, 64, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k)
+      for (int64_t i = 0; i < r; ++i) out[k * r + i] = in[i * c + k];
+  });
+}
+
 void fp8_gemm_cpu(const TensorView& a, const TensorView& b, const TensorView& scale_a, const TensorView& scale_b,
                   const TensorView& bias, TensorView& out, const Fp8GemmOptions& o) {
   const int64_t m = a.shape[0], n = b.shape[0], k = a.shape[1];

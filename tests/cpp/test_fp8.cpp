@@ -638,6 +638,52 @@ void swiglu_grad_source_cases(bool cuda) {
 
 TEST(Fp8QuantizeCpu, SwigluGradSourceEqualsTheSwigluGradientQuantized) { swiglu_grad_source_cases(false); }
 
+// fp8_transpose against its definition on the CPU, or through the GPU (bitwise), for square, wide,
+// tall and tile-straddling padded shapes; the output poisoned first.
+void check_transpose(int64_t r, int64_t c, bool cuda) {
+  SCOPED_TRACE(testing::Message() << "r=" << r << " c=" << c << " cuda=" << cuda);
+  std::mt19937_64 rng(test_seed() + uint64_t(r * 7 + c));
+  std::vector<uint8_t> q(size_t(r * c)), qt(size_t(r * c), 0xAB);
+  for (auto& b : q) b = uint8_t(rng());
+  if (!cuda) {
+    TensorView out = host_view(qt.data(), DType::kFloat8E5M2, {c, r});
+    fp8_transpose(host_view(q.data(), DType::kFloat8E5M2, {r, c}), out, nullptr);
+  } else {
+#ifdef MMFUSE_WITH_CUDA
+    DeviceBuffer<uint8_t> dq(q), dqt(qt);
+    Stream st;
+    TensorView out = device_view(dqt.ptr, DType::kFloat8E5M2, {c, r});
+    fp8_transpose(device_view(dq.ptr, DType::kFloat8E5M2, {r, c}), out, st.s);
+    ASSERT_EQ(cudaStreamSynchronize(st.s), cudaSuccess);
+    qt = dqt.download();
+#endif
+  }
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t k = 0; k < c; ++k) ASSERT_EQ(qt[size_t(k * r + i)], q[size_t(i * c + k)]) << i << "," << k;
+}
+
+void transpose_cases(bool cuda) {
+  for (auto [r, c] : {std::pair<int64_t, int64_t>{16, 16}, {48, 160}, {160, 48}, {1040, 2064}, {64, 64}, {0, 32}})
+    check_transpose(r, c, cuda);
+}
+
+TEST(Fp8TransposeCpu, EqualsTheDefinition) { transpose_cases(false); }
+
+TEST(Fp8Errors, TransposeNamesTheProblem) {
+  std::vector<uint8_t> q(32 * 48), qt(32 * 48);
+  TensorView out = host_view(qt.data(), DType::kFloat8E5M2, {48, 32});
+  expect_error([&] { fp8_transpose(host_view(q.data(), DType::kFloat8E5M2, {30, 48}), out, nullptr); },
+               "q: expected both dims multiples of 16 (a padded copy), got [30, 48]");
+  expect_error([&] { fp8_transpose(host_view(q.data(), DType::kFloat8E4M3, {32, 48}), out, nullptr); },
+               "expected q and qt of one fp8 dtype, got float8_e4m3fn and float8_e5m2");
+  TensorView bad = host_view(qt.data(), DType::kFloat8E5M2, {32, 48});
+  expect_error([&] { fp8_transpose(host_view(q.data(), DType::kFloat8E5M2, {32, 48}), bad, nullptr); },
+               "qt: expected shape [48, 32], got [32, 48]");
+  TensorView same = host_view(q.data(), DType::kFloat8E5M2, {48, 32});
+  expect_error([&] { fp8_transpose(host_view(q.data(), DType::kFloat8E5M2, {32, 48}), same, nullptr); },
+               "qt overlaps q");
+}
+
 TEST(Fp8Errors, SwigluGradSourceNamesTheProblem) {
   std::vector<bf16> dy(4 * 8);
   std::vector<uint8_t> q(16 * 16), pq(4 * 16);
@@ -724,6 +770,12 @@ TEST(Fp8QuantizeCuda, SwigluSourceEqualsTheSwigluOutputQuantized) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";
   swiglu_source_cases(true);
   check_swiglu_source<bf16>(4096, 1000, 0, DType::kFloat8E4M3, false, false, true);  // many blocks
+}
+
+TEST(Fp8TransposeCuda, BitwiseEqualToTheDefinition) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  transpose_cases(true);
+  check_transpose(15360, 2752, true);  // many tiles a block
 }
 
 TEST(Fp8QuantizeCuda, SwigluGradSourceEqualsTheSwigluGradientQuantized) {

@@ -450,6 +450,10 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.mmfuse.fp8_linear_backward,
                               (gy, qt, si, w2qt, w2si, st(), 40, dynamic, True, True, True, False, False, None, None,
                                False, pq, psi), test_utils=no_schema)
+        torch.library.opcheck(torch.ops.mmfuse.fp8_quantize, (gy, st(), True, True, True, dynamic, False, pq, psi),
+                              test_utils=no_schema)
+    torch.library.opcheck(torch.ops.mmfuse.fp8_transpose, (q,), test_utils=no_schema)
+    assert torch.equal(torch.ops.mmfuse.fp8_transpose(q).view(torch.uint8), q.view(torch.uint8).t().contiguous())
 
 
 def test_default_scaling_is_delayed_per_tensor_dynamic_per_row():

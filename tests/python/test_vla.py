@@ -141,12 +141,17 @@ def test_fp8_expert_under_checkpointing_matches_plain():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp8_expert_equals_the_fp8_linear_composition(device):
+@pytest.mark.parametrize("split", [True, False])
+def test_fp8_expert_equals_the_fp8_linear_composition(device, split, monkeypatch):
     """An fp8 expert (_Fp8ExpertFn: the activation quantized from the gate/up output, that output saved
-    packed in fp8) gives the bits of fp8_linear -> swiglu (its backward from the packed input) ->
-    fp8_linear with the same delayed states: outputs, input and weight gradients and every state, over
-    three steps (the delayed scales then in use)."""
+    packed in fp8, the weights' transposed copies made again in the backward, the gate/up gradient's
+    copies made one at a time (split) or together) gives the bits of fp8_linear -> swiglu (its backward
+    from the packed input) -> fp8_linear with the same delayed states: outputs, input and weight
+    gradients and every state, over three steps (the delayed scales then in use)."""
     from mmfuse import fp8
+    from mmfuse.nn.vla import _Fp8ExpertFn
+
+    monkeypatch.setattr(_Fp8ExpertFn, "split_grad_copies", split)
     from mmfuse.swiglu import swiglu, swiglu_backward_fp8, swiglu_pack_fp8
 
     class PackedSwiglu(torch.autograd.Function):
