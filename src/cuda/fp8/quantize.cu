@@ -395,60 +395,58 @@ __device__ __forceinline__ void half_partials(const Job& jb, float (&s)[16], int
   }
 }
 
-// A swiglu_grad source's loads for 16 columns k .. k + 15 of the gate half (k a multiple of 16) of one
-// row: dy, gate and up as whole 16-byte runs (vec: half a multiple of 16, aligned rows), the two tile
-// scales.
+// vec: the gate (vg) and up (vu) gradients of row i, columns k .. k + 15 of the gate half (k < half, a
+// multiple of 16; i < rows), from whole 16-byte runs of dy, gate and up.
 template <class S>
-struct GradRaw {
-  Raw16<S> d;
-  uint4 g, u;
-  float gs, us;
-};
-
-template <class S>
-__device__ __forceinline__ void load_grad(const Job& jb, int64_t i, int64_t k, GradRaw<S>& r) {
+__device__ __forceinline__ void grad16_vec(const Job& jb, int64_t i, int64_t k, float (&vg)[16], float (&vu)[16]) {
   constexpr int V = 16 / int(sizeof(S));
+  Raw16<S> d;
 #pragma unroll
   for (int e = 0; e < 16; e += V)
-    *reinterpret_cast<uint4*>(&r.d.s[e]) = __ldg(reinterpret_cast<const uint4*>(static_cast<const S*>(jb.src) +
-                                                                                 i * jb.ld + k + e));
+    *reinterpret_cast<uint4*>(&d.s[e]) = __ldg(reinterpret_cast<const uint4*>(static_cast<const S*>(jb.src) +
+                                                                               i * jb.ld + k + e));
   const uint8_t* qr = jb.pack_q + i * jb.ld_pack;
-  r.g = __ldg(reinterpret_cast<const uint4*>(qr + k));
-  r.u = __ldg(reinterpret_cast<const uint4*>(qr + jb.half + k));
+  const uint4 graw = __ldg(reinterpret_cast<const uint4*>(qr + k));
+  const uint4 uraw = __ldg(reinterpret_cast<const uint4*>(qr + jb.half + k));
+  const uint8_t* gq = reinterpret_cast<const uint8_t*>(&graw);
+  const uint8_t* uq = reinterpret_cast<const uint8_t*>(&uraw);
   const float* sr = jb.pack_si + i * jb.ld_pack_si;
-  r.gs = __ldg(sr + k / kSwigluPackTile);
-  r.us = __ldg(sr + (jb.half + k) / kSwigluPackTile);
+  const float gs = sr[k / kSwigluPackTile], us = sr[(jb.half + k) / kSwigluPackTile];
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    S dg, du, y;
+    cuda::swiglu_grad_value<S, false>(cuda::swiglu_unpack(gq[e], gs), cuda::swiglu_unpack(uq[e], us), to_f(d.s[e]), dg,
+                                      du, y);
+    vg[e] = to_f(dg);
+    vu[e] = to_f(du);
+  }
 }
 
-// The gate (up false) or up (up true) gradients of a GradRaw's 16 columns: each branch computes only
-// its own half of swiglu_grad_value (the other is dead code there).
+// The 16 values of row i, columns cc .. cc + 15 (cc a multiple of 16), of the [gate | up] gradient
+// (zero outside it). vec (half a multiple of 16, aligned rows): the 16 columns lie in one half and one
+// pack tile, so dy, gate and up load as whole 16-byte runs.
 template <class S>
-__device__ __forceinline__ void grad_values(const GradRaw<S>& r, bool up, float (&v)[16]) {
-  const uint8_t* gq = reinterpret_cast<const uint8_t*>(&r.g);
-  const uint8_t* uq = reinterpret_cast<const uint8_t*>(&r.u);
-  if (up) {
+__device__ __forceinline__ void grad16(const Job& jb, int64_t i, int64_t cc, float (&v)[16]) {
 #pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      S dg, du, y;
-      cuda::swiglu_grad_value<S, false>(cuda::swiglu_unpack(gq[e], r.gs), cuda::swiglu_unpack(uq[e], r.us),
-                                        to_f(r.d.s[e]), dg, du, y);
-      v[e] = to_f(du);
-    }
-  } else {
+  for (int e = 0; e < 16; ++e) v[e] = 0.0f;
+  if (i >= jb.rows || cc >= jb.cols) return;
+  if (!jb.vec) {
 #pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      S dg, du, y;
-      cuda::swiglu_grad_value<S, false>(cuda::swiglu_unpack(gq[e], r.gs), cuda::swiglu_unpack(uq[e], r.us),
-                                        to_f(r.d.s[e]), dg, du, y);
-      v[e] = to_f(dg);
-    }
+    for (int e = 0; e < 16; ++e)
+      if (cc + e < jb.cols) v[e] = grad_at<S>(jb, i, cc + e);
+    return;
   }
+  const bool up = cc >= jb.half;
+  float vg[16], vu[16];
+  grad16_vec<S>(jb, i, up ? cc - jb.half : cc, vg, vu);
+#pragma unroll
+  for (int e = 0; e < 16; ++e) v[e] = up ? vu[e] : vg[e];
 }
 
 template <class S, bool kColSums, int kSrc>
 __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constant__ Jobs jobs) {
   constexpr bool kSwiglu = kSrc == kSwigluSrc, kGrad = kSrc == kGradSrc;
-  // a swiglu_grad source: two passes' loads ahead (GradRaw: 64 bytes of registers each)
+  // a swiglu_grad source loads as it computes (grad16), one pass at a time
   constexpr int kAhead = kGrad ? 1 : cast_ahead<S, kColSums, kSwiglu>();
   __shared__ __align__(16) uint32_t tile[kCastTile * kCastWords];
   __shared__ float red[kThreads / 32];
@@ -466,84 +464,66 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(const __grid_constan
   for (int64_t t = b; t < jb.tiles; t += jb.blocks) {
     const int64_t r0 = (t / jb.tiles_c) * kCastTile, c0 = (t % jb.tiles_c) * kCastTile, cc = c0 + 16 * g;
     float s[16];
-    // a pass's 16 values at columns col of row r of the tile: cast, into q and the qt tile, amax, sums
-    auto emit = [&](const float(&v)[16], int p, int r, int64_t col) {
-      uint32_t w[4];
-      pack_fp8(v, [&](int) { return scale; }, fmt, w);
-      if (!jb.dynamic) {
 #pragma unroll
-        for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fp8_finite_abs(v[e]));
+    for (int p0 = 0; p0 < 4; p0 += kAhead) {
+      Raw16<S> raw[kGrad ? 1 : kAhead], raw_up[kSwiglu ? kAhead : 1];
+#pragma unroll
+      for (int a = 0; a < kAhead; ++a) {
+        if constexpr (kGrad) continue;
+        load_pass<S>(jb, r0 + 32 * (p0 + a) + lr, cc, raw[a]);
+        if constexpr (kSwiglu) load_pass<S>(jb, r0 + 32 * (p0 + a) + lr, cc, raw_up[a], jb.cols);
       }
-      if constexpr (kColSums) {
 #pragma unroll
-        for (int e = 0; e < 16; ++e) s[e] = p % 2 == 0 ? v[e] : s[e] + v[e];
-        if (p % 2 == 1) half_partials(jb, s, r0, c0, p / 2, sums);
-      }
-      const uint4 word4 = make_uint4(w[0], w[1], w[2], w[3]);
-      if (jb.q && r0 + r < jb.prows && col < jb.ldq) *reinterpret_cast<uint4*>(jb.q + (r0 + r) * jb.ldq + col) = word4;
-      if (jb.qt) {
-        if (p == 0) __syncthreads();  // the previous tile's transposed reads are done (same for the block)
-        *reinterpret_cast<uint4*>(&tile[r * kCastWords + 4 * (g ^ (r / 16) % 8)]) = word4;
-      }
-    };
-    if constexpr (kGrad) {
-      // both: columns cc .. cc + 15 of the gate half, their gate and up gradients into q (no qt); else
-      // the 16 columns of the [gate | up] gradient at cc, all in one half
-      const bool up = !jb.both && cc >= jb.half;
-      const int64_t k = up ? cc - jb.half : cc;
-      const bool live_cols = jb.both ? cc < jb.half : cc < jb.cols;
+      for (int a = 0; a < kAhead; ++a) {
+        const int p = p0 + a, r = 32 * p + lr;
+        float v[16];
+        if constexpr (kGrad) {
+          if (jb.both) {  // columns cc .. cc + 15 of the gate half: their gate and up gradients' rows of q
+            float vu[16];
+            if (r0 + r < jb.rows && cc < jb.half) {
+              grad16_vec<S>(jb, r0 + r, cc, v, vu);
+            } else {  // a padding row: zeros
 #pragma unroll
-      for (int p0 = 0; p0 < 4; p0 += kAhead) {
-        GradRaw<S> raw[kAhead];
+              for (int e = 0; e < 16; ++e) v[e] = vu[e] = 0.0f;
+            }
+            uint32_t w[4], wu[4];
+            pack_fp8(v, [&](int) { return scale; }, fmt, w);
+            pack_fp8(vu, [&](int) { return scale; }, fmt, wu);
+            if (!jb.dynamic) {
 #pragma unroll
-        for (int a = 0; a < kAhead; ++a) {
-          const int64_t i = r0 + 32 * (p0 + a) + lr;
-          if (jb.vec && live_cols && i < jb.rows) load_grad<S>(jb, i, k, raw[a]);
-        }
-#pragma unroll
-        for (int a = 0; a < kAhead; ++a) {
-          const int p = p0 + a, r = 32 * p + lr;
-          const bool live = live_cols && r0 + r < jb.rows;
-          float v[16];
-#pragma unroll
-          for (int e = 0; e < 16; ++e) v[e] = 0.0f;
-          if (jb.both) {
-            if (!live_cols) continue;  // past the gate half: nothing of q is this thread's
-            if (live) grad_values<S>(raw[a], false, v);
-            emit(v, p, r, cc);
-            if (live) grad_values<S>(raw[a], true, v);
-            emit(v, p, r, jb.half + cc);
+              for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fmaxf(fp8_finite_abs(v[e]), fp8_finite_abs(vu[e])));
+            }
+            if (r0 + r < jb.prows && cc < jb.half) {
+              uint8_t* qr = jb.q + (r0 + r) * jb.ldq;
+              *reinterpret_cast<uint4*>(qr + cc) = make_uint4(w[0], w[1], w[2], w[3]);
+              *reinterpret_cast<uint4*>(qr + jb.half + cc) = make_uint4(wu[0], wu[1], wu[2], wu[3]);
+            }
             continue;
           }
-          if (live && jb.vec) {
-            grad_values<S>(raw[a], up, v);
-          } else if (live) {  // one value at a time
-#pragma unroll
-            for (int e = 0; e < 16; ++e)
-              if (cc + e < jb.cols) v[e] = grad_at<S>(jb, r0 + r, cc + e);
-          }
-          emit(v, p, r, cc);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int p0 = 0; p0 < 4; p0 += kAhead) {
-        Raw16<S> raw[kAhead], raw_up[kSwiglu ? kAhead : 1];
-#pragma unroll
-        for (int a = 0; a < kAhead; ++a) {
-          load_pass<S>(jb, r0 + 32 * (p0 + a) + lr, cc, raw[a]);
-          if constexpr (kSwiglu) load_pass<S>(jb, r0 + 32 * (p0 + a) + lr, cc, raw_up[a], jb.cols);
-        }
-#pragma unroll
-        for (int a = 0; a < kAhead; ++a) {
-          const int p = p0 + a, r = 32 * p + lr;
-          float v[16];
+          grad16<S>(jb, r0 + r, cc, v);
+        } else {
 #pragma unroll
           for (int e = 0; e < 16; ++e) {
             if constexpr (kSwiglu) v[e] = src_value<S, true>(raw[a].s[e], raw_up[a].s[e]);
             else v[e] = to_f(raw[a].s[e]);
           }
-          emit(v, p, r, cc);
+        }
+        uint32_t w[4];
+        pack_fp8(v, [&](int) { return scale; }, fmt, w);
+        if (!jb.dynamic) {
+#pragma unroll
+          for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fp8_finite_abs(v[e]));
+        }
+        if constexpr (kColSums) {
+#pragma unroll
+          for (int e = 0; e < 16; ++e) s[e] = p % 2 == 0 ? v[e] : s[e] + v[e];
+          if (p % 2 == 1) half_partials(jb, s, r0, c0, p / 2, sums);
+        }
+        const uint4 word4 = make_uint4(w[0], w[1], w[2], w[3]);
+        if (jb.q && r0 + r < jb.prows && cc < jb.ldq) *reinterpret_cast<uint4*>(jb.q + (r0 + r) * jb.ldq + cc) = word4;
+        if (jb.qt) {
+          if (p == 0) __syncthreads();  // the previous tile's transposed reads are done (same for the block)
+          *reinterpret_cast<uint4*>(&tile[r * kCastWords + 4 * (g ^ (r / 16) % 8)]) = word4;
         }
       }
     }
@@ -712,7 +692,7 @@ Job make_job(const Fp8QuantJob& in, bool for_cast) {
   j.dynamic = in.dynamic;
   const int64_t v = 16 / int64_t(dtype_size(in.src.dtype));
   j.vec = j.cols % v == 0 && j.ld % v == 0 && cuda::alignment(j.src) >= 16;
-  if (in.swiglu_grad) {  // load_grad's whole runs: 16 columns in one half, dy's and the pack's rows aligned
+  if (in.swiglu_grad) {  // grad16's whole runs: 16 columns in one half, dy's and the pack's rows aligned
     j.vec = j.half % 16 == 0 && j.ld % v == 0 && cuda::alignment(j.src) >= 16 && j.ld_pack % 16 == 0 &&
             cuda::alignment(j.pack_q) >= 16;
     // q alone: each value of dy and the pack read once, both halves written from it (cols = 2 half:
