@@ -100,23 +100,23 @@ def _saved_tensor_hooks_active() -> bool:
 
 
 class _Fp8ExpertFn(torch.autograd.Function):
-    # The gate/up projection's output gradient in fp8: its row-major copy cast from da and the pack,
-    # then (da and the pack let go) its transposed copy by transposing that one, so the two copies and
-    # da never coexist (the step's peak); False: both copies in one cast pass inside
-    # fp8_linear_backward (one read fewer, ~0.3 GB more at the peak at the 3B shapes).
-    split_grad_copies = True
-
     """One SwiGLU expert in fp8, x [M, H] -> y [M, H]: gate/up and down through mmfuse's fp8 linear ops
     (e4m3 operands, delayed or dynamic scaling), the SwiGLU activation quantized straight from the gate/up
     output (``swiglu_x``: it is never written in bf16). Saved for the backward: x's and the activation's
     fp8 copies and the gate/up output packed in fp8 (``swiglu_pack_fp8``: 128-column tiles with their own
     power-of-two scales, half the bytes of bf16), from which the backward's gate/up cast computes the
-    SwiGLU gradient as it quantizes it (``fp8_linear_backward(..., swiglu_q=...)``: never written in bf16).
+    SwiGLU gradient as it quantizes it (``fp8_quantize``'s ``swiglu_q``: never written in bf16).
     The weights' transposed fp8 copies are made again in the backward, each right before its GEMM.
     Eager, the pack and the activation's copy are held on ctx and let go as soon as read, the activation's
     before the gate/up backward makes its gradient copies (the step's peak); so a second backward
     through the same graph is refused. Traced, or under saved-tensor hooks (checkpointing, offloading),
     they are saved as usual."""
+
+    # The gate/up projection's output gradient in fp8: its row-major copy cast from da and the pack,
+    # then (da and the pack let go) its transposed copy by transposing that one, so neither copy
+    # coexists with both da and the other (the step's peak); False: both copies in one cast pass inside
+    # fp8_linear_backward (a transpose fewer, ~0.3 GB more at the peak at the 3B shapes).
+    split_grad_copies = True
 
     @staticmethod
     def forward(ctx, x, gate_up, down, states, grad_e5m2, dynamic):
@@ -159,9 +159,9 @@ class _Fp8ExpertFn(torch.autograd.Function):
             dy.to(torch.bfloat16), a_qt, a_si, dn_qt, dn_si, dn_g, inter, dynamic, e5m2, True, need_ddn, False, False,
             None, None, False)
         del a_qt, a_si, dn_qt, dn_si
-        _, gu_qt, gu_si, _ = torch.ops.mmfuse.fp8_quantize(gate_up, gu_w, False, True, False, True, False)
         # the SwiGLU gradient quantized straight from da and the pack (never written in bf16)
         if not _Fp8ExpertFn.split_grad_copies:
+            _, gu_qt, gu_si, _ = torch.ops.mmfuse.fp8_quantize(gate_up, gu_w, False, True, False, True, False)
             dx, dgu, _ = torch.ops.mmfuse.fp8_linear_backward(
                 da, x_qt, x_si, gu_qt, gu_si, gu_g, H, dynamic, e5m2, need_dx, need_dgu, False, False, None, None,
                 False, g_q, g_si)
@@ -172,8 +172,9 @@ class _Fp8ExpertFn(torch.autograd.Function):
             q, _, q_si, _ = torch.ops.mmfuse.fp8_quantize(da, gu_g, True, False, e5m2, dynamic, False, g_q, g_si)
             del da, g_q, g_si
             if need_dx:
+                _, gu_qt, gu_si, _ = torch.ops.mmfuse.fp8_quantize(gate_up, gu_w, False, True, False, True, False)
                 dx = torch.ops.mmfuse.fp8_gemm(q[:M], gu_qt, q_si, gu_si, None, False, False)[:, :H]
-            del gu_qt
+                del gu_qt
             if need_dgu:
                 qt = torch.ops.mmfuse.fp8_transpose(q)
                 del q
