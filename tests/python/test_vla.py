@@ -195,6 +195,32 @@ def test_fp8_expert_equals_the_fp8_linear_composition(device, split, monkeypatch
             assert torch.equal(getattr(e, k), v), (step, k)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("wants", [(True, False), (False, True), (True, True)])
+def test_fp8_expert_split_copies_with_some_gradients_unwanted(device, wants, monkeypatch):
+    # the split gate/up gradient (row-major cast, then its transpose) where only the input's or only the
+    # gate/up weight's gradient is wanted: the same bits as the one-pass mode
+    from mmfuse.nn.vla import _Fp8ExpertFn
+
+    want_x, want_gu = wants
+    M, H, inter = (29, 32, 48) if device == "cpu" else (3001, 2048, 5504)
+    grads = []
+    for split in (True, False):
+        monkeypatch.setattr(_Fp8ExpertFn, "split_grad_copies", split)
+        g = torch.Generator().manual_seed(9)
+        e = MoTExperts(H, (inter, 16), fp8=True, device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for p in e.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * H ** -0.5)
+        e.gate_up0.requires_grad_(want_gu)
+        x = torch.randn(M, H, generator=g).to(device, torch.bfloat16).requires_grad_(want_x)
+        e(x, M).backward(torch.randn(M, H, generator=g).to(device, torch.bfloat16))
+        grads.append((x.grad, e.gate_up0.grad, e.down0.grad))
+    for a, b in zip(*grads):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert (grads[0][0] is not None) == want_x and (grads[0][1] is not None) == want_gu
+
+
 def test_mixed_experts_do_not_keep_the_whole_input_alive():
     # the fp8 expert saves fp8 copies of its rows; the bf16 one must not save a view of the whole input
     torch.manual_seed(0)
