@@ -27,13 +27,25 @@ struct Quantized {
 
 // Fills a core job for x [R, C] (swiglu: the source [R, 2C] of swiglu(x) [R, C]) with the outputs it
 // asks for (allocated here).
-// swiglu_grad: x is dy [R, C] and the tensor the [gate | up] gradient [R, 2C] from the pack (pack_q,
-// pack_si).
+// The pack of a swiglu_grad source (swiglu_pack_fp8's q and scale_inv), kernel-ready; undefined when
+// the op's swiglu_q / swiglu_scale_inv were not given (both or neither: checked).
+struct SwigluPack {
+  Tensor q, scale_inv;
+  bool given() const { return q.defined(); }
+};
+
+SwigluPack swiglu_pack_arg(const char* op, const OptTensor& q, const OptTensor& scale_inv) {
+  TORCH_CHECK_VALUE(q.has_value() == scale_inv.has_value(), "mmfuse.", op, ": swiglu_q and swiglu_scale_inv: "
+                    "expected both or neither, got ", q ? "swiglu_q only" : "swiglu_scale_inv only");
+  if (!q) return {};
+  return {kernel_ready(*q), kernel_ready(*scale_inv)};
+}
+
+// pack given (swiglu_grad): x is dy [R, C] and the tensor the [gate | up] gradient [R, 2C] from it.
 Fp8QuantJob make_job(const Tensor& x, Tensor& state, bool rowwise, bool transposed, bool e5m2, bool dynamic,
-                     bool per_row, Quantized& out, bool swiglu = false, const Tensor* pack_q = nullptr,
-                     const Tensor* pack_si = nullptr) {
+                     bool per_row, Quantized& out, bool swiglu = false, const SwigluPack& pack = {}) {
   const int64_t sc = x.dim() == 2 ? x.size(1) : 0;
-  const int64_t r = x.dim() == 2 ? x.size(0) : 0, c = swiglu ? sc / 2 : pack_q ? 2 * sc : sc;
+  const int64_t r = x.dim() == 2 ? x.size(0) : 0, c = swiglu ? sc / 2 : pack.given() ? 2 * sc : sc;
   const int64_t rp = fp8_padded(r), cp = fp8_padded(c);
   const auto opts = x.options().dtype(fp8_type(e5m2));
   const auto f32 = x.options().dtype(at::kFloat);
@@ -49,10 +61,10 @@ Fp8QuantJob make_job(const Tensor& x, Tensor& state, bool rowwise, bool transpos
   j.dynamic = dynamic;
   j.per_row = per_row;
   j.swiglu = swiglu;
-  if (pack_q) {
+  if (pack.given()) {
     j.swiglu_grad = true;
-    j.pack_q = view(*pack_q, "swiglu_q");
-    j.pack_scale_inv = view(*pack_si, "swiglu_scale_inv");
+    j.pack_q = view(pack.q, "swiglu_q");
+    j.pack_scale_inv = view(pack.scale_inv, "swiglu_scale_inv");
   }
   if (per_row) {
     out.scratch = at::zeros({rp + cp}, f32);
@@ -69,14 +81,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_quantize_impl(const Tensor& x_in,
                                                              const OptTensor& swiglu_q,
                                                              const OptTensor& swiglu_scale_inv) {
   const Tensor x = kernel_ready(x_in);
-  TORCH_CHECK_VALUE(swiglu_q.has_value() == swiglu_scale_inv.has_value(), "mmfuse.fp8_quantize: swiglu_q and "
-                    "swiglu_scale_inv: expected both or neither, got ", swiglu_q ? "swiglu_q only" : "swiglu_scale_inv only");
-  const Tensor pq = swiglu_q ? kernel_ready(*swiglu_q) : Tensor();
-  const Tensor ps = swiglu_scale_inv ? kernel_ready(*swiglu_scale_inv) : Tensor();
+  const SwigluPack pack = swiglu_pack_arg("fp8_quantize", swiglu_q, swiglu_scale_inv);
   Quantized out;
   guarded("fp8_quantize", [&] {
-    Fp8QuantJob j = make_job(x, state, rowwise, transposed, e5m2, dynamic, per_row, out, false,
-                             swiglu_q ? &pq : nullptr, swiglu_q ? &ps : nullptr);
+    Fp8QuantJob j = make_job(x, state, rowwise, transposed, e5m2, dynamic, per_row, out, false, pack);
     c10::OptionalDeviceGuard g(x.device());
     fp8_quantize(&j, 1, current_stream(x));
   });
@@ -207,24 +215,20 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_backward_impl(
     const std::optional<Tensor>& main_grad, const OptTensor& x, bool per_row, const OptTensor& swiglu_q,
     const OptTensor& swiglu_scale_inv) {
   const Tensor g = kernel_ready(g_in);
-  const bool packed = swiglu_q.has_value();
-  TORCH_CHECK_VALUE(packed == swiglu_scale_inv.has_value(), "mmfuse.fp8_linear_backward: swiglu_q and swiglu_scale_inv: "
-                    "expected both or neither, got ", packed ? "swiglu_q only" : "swiglu_scale_inv only");
+  const SwigluPack pack = swiglu_pack_arg("fp8_linear_backward", swiglu_q, swiglu_scale_inv);
+  const bool packed = pack.given();
   // the gradient of a SwiGLU's [gate | up] input from its output's (g) and the pack: never written, so
   // no bf16 weight gradient from x and no column sums of it
   TORCH_CHECK_VALUE(!packed || (!x.has_value() && !need_db), "mmfuse.fp8_linear_backward: swiglu_q: expected ",
                     "x=None and need_db=False (the gradient is only quantized), got ", x.has_value() ? "x" : "need_db");
-  const Tensor pq = packed ? kernel_ready(*swiglu_q) : Tensor();
-  const Tensor ps = packed ? kernel_ready(*swiglu_scale_inv) : Tensor();
   const bool dw_fp8 = need_dw && !x.has_value();
+  Quantized gq;
   Tensor dx = empty0(g), dw = empty0(g), db = empty0(g);
   const bool fused_db = need_db && (need_dx || dw_fp8);  // db from the gradient's cast, else a column sum
   Tensor col_sums, partials;
-  Quantized gq;
   if (need_dx || dw_fp8) {
     guarded("fp8_linear_backward", [&] {
-      Fp8QuantJob j = make_job(g, g_state, need_dx, dw_fp8, e5m2, dynamic || per_row, per_row, gq, false,
-                               packed ? &pq : nullptr, packed ? &ps : nullptr);
+      Fp8QuantJob j = make_job(g, g_state, need_dx, dw_fp8, e5m2, dynamic || per_row, per_row, gq, false, pack);
       if (fused_db) {
         const auto f32 = g.options().dtype(at::kFloat);
         col_sums = at::empty({g.dim() == 2 ? g.size(1) : 0}, f32);

@@ -51,6 +51,15 @@ struct Quant {
   float scale_inv = NAN;
 };
 
+// Two quantizations of one tensor agree bitwise: scale, amax state, q and qt.
+void expect_same_copies(const Quant& want, const Quant& got) {
+  EXPECT_TRUE(bits_equal(want.scale_inv, got.scale_inv)) << want.scale_inv << " vs " << got.scale_inv;
+  ASSERT_EQ(want.state.size(), got.state.size());
+  for (size_t i = 0; i < want.state.size(); ++i) EXPECT_TRUE(bits_equal(want.state[i], got.state[i])) << "state " << i;
+  EXPECT_EQ(want.q, got.q);
+  EXPECT_EQ(want.qt, got.qt);
+}
+
 // Runs one quantize job over host views on the CPU, or on the GPU through device copies of every
 // view given (outputs arrive poisoned as the host filled them) that are copied back afterwards.
 void run_quantize(Fp8QuantJob& j, bool cuda) {
@@ -545,11 +554,7 @@ void check_swiglu_source(int64_t r, int64_t c, int64_t pad, DType fmt, bool dyna
   plain.state = fused.state = fresh ? std::vector<float>(5, 0.0f) : std::vector<float>{3.0f, 9.0f, 0.5f, 0.0f, 0.0f};
   quantize(y, r, c, c, fmt, true, true, dynamic, plain, cuda);
   quantize(gu, r, c, ld, fmt, true, true, dynamic, fused, cuda, true);
-  EXPECT_TRUE(bits_equal(plain.scale_inv, fused.scale_inv)) << plain.scale_inv << " vs " << fused.scale_inv;
-  for (size_t i = 0; i < plain.state.size(); ++i)
-    EXPECT_TRUE(bits_equal(plain.state[i], fused.state[i])) << "state " << i;
-  EXPECT_EQ(plain.q, fused.q);
-  EXPECT_EQ(plain.qt, fused.qt);
+  expect_same_copies(plain, fused);
 }
 
 void swiglu_source_cases(bool cuda) {
@@ -613,11 +618,7 @@ void check_swiglu_grad_source(int64_t r, int64_t c, int64_t pad, DType fmt, bool
   j.state = host_view(fused.state.data(), DType::kFloat32, {5});
   j.dynamic = dynamic;
   run_quantize(j, cuda);
-  EXPECT_TRUE(bits_equal(plain.scale_inv, fused.scale_inv)) << plain.scale_inv << " vs " << fused.scale_inv;
-  for (size_t i = 0; i < plain.state.size(); ++i)
-    EXPECT_TRUE(bits_equal(plain.state[i], fused.state[i])) << "state " << i;
-  EXPECT_EQ(plain.q, fused.q);
-  EXPECT_EQ(plain.qt, fused.qt);
+  expect_same_copies(plain, fused);
 }
 
 void swiglu_grad_source_cases(bool cuda) {
@@ -743,10 +744,7 @@ void check_cuda_quantize(int64_t r, int64_t c, int64_t ld, DType fmt, bool dynam
   cpu.state = gpu.state = fresh ? std::vector<float>(5, 0.0f) : std::vector<float>{3.0f, 90.0f, 7.0f, 0.0f, 0.0f};
   quantize(x, r, c, ld, fmt, want_q, want_qt, dynamic, cpu, false);
   quantize(x, r, c, ld, fmt, want_q, want_qt, dynamic, gpu, true);
-  EXPECT_TRUE(bits_equal(cpu.scale_inv, gpu.scale_inv)) << cpu.scale_inv << " vs " << gpu.scale_inv;
-  for (size_t i = 0; i < cpu.state.size(); ++i) EXPECT_TRUE(bits_equal(cpu.state[i], gpu.state[i])) << "state " << i;
-  EXPECT_EQ(cpu.q, gpu.q);
-  EXPECT_EQ(cpu.qt, gpu.qt);
+  expect_same_copies(cpu, gpu);
 }
 
 TEST(Fp8QuantizeCuda, BitwiseEqualToCpu) {
