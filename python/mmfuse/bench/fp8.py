@@ -186,6 +186,33 @@ def run(device: str, quick: bool = False) -> dict:
             qrows.append(dict(mode=mode, us=tq, gbs=gbs, pct_copy=100 * gbs / copy, verified=ok))
             print(f"quantize 16384x8192 bf16 -> e4m3 + transposed, {mode}: {tq:.1f} us, {gbs:.0f} GB/s effective "
                   f"({100 * gbs / copy:.1f} % of copy; target 3500 GB/s; {'bitwise' if ok else 'MISMATCH'})")
+        # fp8_transpose: the transposed copy from the row-major one (bytes read once, written once)
+        tt, _ = time_us(lambda: torch.ops.mmfuse.fp8_transpose(ref.q), device, **it)
+        ok = torch.equal(torch.ops.mmfuse.fp8_transpose(ref.q).view(torch.uint8), ref.qt.view(torch.uint8))
+        gbs = 2 * ref.q.numel() / (tt * 1e-6) / 1e9
+        qrows.append(dict(mode="transpose", case="fp8_transpose 16384x8192 e4m3", us=tt, gbs=gbs,
+                          pct_copy=100 * gbs / copy, verified=ok))
+        print(f"fp8_transpose 16384x8192: {tt:.1f} us, {gbs:.0f} GB/s ({100 * gbs / copy:.1f} % of copy; "
+              f"{'bitwise' if ok else 'MISMATCH'})")
+        del x, ref
+        # the SwiGLU gradient cast from dy and the gate/up pack, row-major copy alone (the fp8 expert's first
+        # copy at the 3B VL shapes): dy and the pack read once, the e5m2 copy written
+        from ..swiglu import swiglu_backward_fp8, swiglu_pack_fp8
+        T, inter = 15360, 11008
+        q8, si8 = swiglu_pack_fp8(torch.randn(T, 2 * inter, device=device).to(torch.bfloat16))
+        dy = torch.randn(T, inter, device=device).to(torch.bfloat16)
+        want = torch.ops.mmfuse.fp8_quantize(swiglu_backward_fp8(dy, q8, si8, False)[0], fp8.new_state(16, device),
+                                             True, False, True, True, False)
+        got = torch.ops.mmfuse.fp8_quantize(dy, fp8.new_state(16, device), True, False, True, True, False, q8, si8)
+        ok = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[2], want[2])
+        gst = fp8.new_state(16, device)
+        tg, _ = time_us(lambda: torch.ops.mmfuse.fp8_quantize(dy, gst, True, False, True, False, False, q8, si8),
+                        device, **it)
+        gbs = (dy.numel() * 2 + q8.numel() + si8.numel() * 4 + 2 * dy.numel()) / (tg * 1e-6) / 1e9
+        qrows.append(dict(mode="swiglu_grad", case=f"SwiGLU gradient cast from the pack {T}x{2 * inter}, q alone, "
+                          "delayed", us=tg, gbs=gbs, pct_copy=100 * gbs / copy, verified=ok))
+        print(f"SwiGLU gradient cast from the pack {T}x{2 * inter} (q alone, delayed): {tg:.1f} us, {gbs:.0f} GB/s "
+              f"({100 * gbs / copy:.1f} % of copy; {'bitwise' if ok else 'MISMATCH'})")
         out["quantize"] = qrows
     targets = {"16384x8192x8192": 0.58, "8192x4096x14336": 0.62, "8192x4096x4096": 0.66, "2048x1024x1024": 1.00}
     got = [(r["shape"], r["share"], r["cached_share"], r["delayed_share"], r["auto_share"]) for r in out["rows"]

@@ -76,7 +76,7 @@ def _fp8(res: dict) -> Tuple[List[str], List[List[str]], Plot]:
         if r["pass_"] == "fwd+bwd" and share is not None:
             bars.append((r["shape"], share))
     for q in res.get("quantize", []):
-        rows.append([f"quantize 16384x8192, {q['mode']}", "", "", _f(q["us"]), "", "", "", "", "",
+        rows.append([q.get("case") or f"quantize 16384x8192, {q['mode']}", "", "", _f(q["us"]), "", "", "", "", "",
                      "bitwise" if q.get("verified") else "FAIL"])
     return header, rows, ("fp8 linear: fwd+bwd time as a share of bf16 (Fp8Linear as shipped; < 1 is faster)",
                           "share of bf16 time", bars)
