@@ -370,7 +370,7 @@ def test_cuda_compile_fullgraph():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_seed_permute_on_cuda_equals_native():
-    # the expert count from the ids (one host sync): the same rows and map as with the exact count
+    # no expert count (a stable sort of the ids, no host sync): the same rows and map as with the count
     g = torch.Generator().manual_seed(5)
     x = torch.randn(300, 64, generator=g).cuda()
     idx = _indices(300, 4, 37, g).cuda()
@@ -380,6 +380,28 @@ def test_seed_permute_on_cuda_equals_native():
     rows, row_id_map, _ = backend.permute(x, idx, 1000, None, 0)  # the first 1000 rows of the order
     q = mmfuse.moe_permute(x, idx, 37, 1000)
     assert torch.equal(rows, q.rows) and torch.equal(row_id_map, q.row_id_map)
+
+
+@pytest.mark.parametrize("T,K,E,n", [(1, 1, 1, 0), (37, 1, 3, 0), (300, 4, 37, 0), (300, 4, 37, 1000), (65, 8, 256, 7),
+                                     (64, 2, 5, 128)])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_seed_row_id_map_by_sort_equals_the_plan(T, K, E, n, dtype):
+    # the seed's expert-count-free order (a stable sort of the ids; the CUDA path) is the counting sort's
+    g = torch.Generator().manual_seed(T * K + n)
+    idx = _indices(T, K, E, g).to(dtype)
+    want = torch.ops.mmfuse.moe_plan(idx, E, n)[0]
+    got = backend._seed_row_id_map(idx, n)
+    assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, want)
+    idx = torch.randint(0, E, (T, K), generator=g, dtype=dtype)  # a token may repeat an expert: ties keep (t, k)
+    assert torch.equal(backend._seed_row_id_map(idx, n), torch.ops.mmfuse.moe_plan(idx, E, n)[0])
+
+
+def test_seed_row_id_map_rejects_a_bad_num_out_tokens():
+    idx = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"num_out_tokens: expected 0 \(all\) or in \[0, T\*K = 8\], got 9"):
+        backend._seed_row_id_map(idx, 9)
+    with pytest.raises(RuntimeError, match="expected expert ids >= 0"):
+        backend._seed_row_id_map(torch.tensor([[0, -1]], dtype=torch.int32), 0)
 
 
 def test_seed_backend_functions():

@@ -2,7 +2,7 @@
 signatures), which WALL-X and AstrAI code calls directly, against mmfuse's native API and the best
 plain alternative, in one run:
 
-- ``backend.permute`` (no expert count: ``indices.max() + 1``, one host sync) against
+- ``backend.permute`` (no expert count: the order from a stable sort of the ids) against
   ``mmfuse.moe_permute`` with the count; rule: within 1.10x of the native call;
 - ``backend.asym_dual_gmm_separated`` in the seed's layout (weights ``[K, N]``, ``trans_b=False``,
   outputs allocated) against two cuBLAS ``torch.mm`` and the native ``dual_gemm`` (``nn.Linear``
