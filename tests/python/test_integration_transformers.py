@@ -64,6 +64,8 @@ def _snapshot(spec=Q.QWEN2_5_VL):
     mod, _ = Q.modeling(spec)
     owners = [mod, getattr(mod, spec.model), getattr(mod, spec.for_cg), getattr(mod, spec.vision),
               Q.rms_norm_class(spec, mod)] + [getattr(mod, n) for n in spec.mlps]
+    if spec.vision_attention:
+        owners.append(getattr(mod, spec.vision_attention))
     return [dict(vars(o)) for o in owners]
 
 
@@ -107,6 +109,35 @@ def test_positions_and_rope_exact(device, dtype, family, monkeypatch):
     assert got_grads.keys() == want_grads.keys()
     for n, g in want_grads.items():
         torch.testing.assert_close(got_grads[n], g, rtol=0, atol=0, msg=lambda s: f"{n}: {s}")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vision_attention_by_windows(device, dtype, family, monkeypatch):
+    """vision_attention=True with SDPA: the tower's windows through batched SDPA calls (counted, where
+    transformers' layout calls SDPA once a window), logits and gradients equal to transformers' own."""
+    from mmfuse.integrations import window_attention as W
+
+    spec, patch = FAMILIES[family]
+    model = make_model("tiny", family=family, layers=2, vision_depth=3, fullatt=(1,), device=device, dtype=dtype,
+                       attn="sdpa")
+    batch = _batch(device, dtype, family=family)
+    before = _snapshot(spec)
+    want_logits, want_grads, _ = _run(model, batch)
+    calls = {}
+    _counting(monkeypatch, W, "sdpa_by_windows", calls)
+    with patch(positions=False, rope=False, rms_norm=False, swiglu=False, linear_cross_entropy=False):
+        got_logits, got_grads, _ = _run(model, batch)
+    assert _snapshot(spec) == before
+    loop = Q._windows_loop(getattr(Q.modeling(spec)[0], spec.vision_attention).forward)
+    # every block of the tower, which runs for the images and for the video
+    assert calls.get("sdpa_by_windows", 0) == (3 * 2 if loop else 0), calls
+    tol = dict(rtol=0, atol=0) if device == "cuda" else dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 \
+        else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_logits, want_logits, **tol)
+    for n, g in want_grads.items():
+        torch.testing.assert_close(got_grads[n], g, **tol, msg=lambda s: f"{n}: {s}")
 
 
 def _rel(a, b):

@@ -18,6 +18,9 @@ that trains it with mmfuse:
   ``lm_head.weight`` through :func:`mmfuse.linear_cross_entropy`, never holding the ``[B, L, V]``
   logits (``outputs.logits`` is None then; eval and label-free calls are unchanged); transformers'
   causal-LM loss (shifted labels, -100 ignored, ``num_items_in_batch`` from the Trainer);
+- ``vision_attention``: the vision tower's window attention with SDPA (transformers 4.52+ calls SDPA
+  once a window) -> one SDPA call for each run of consecutive windows of one length
+  (:mod:`mmfuse.integrations.window_attention`: the same kernel, batched);
 - ``fp8`` (needs ``model``): every ``nn.Linear`` of the model but ``lm_head`` -> :class:`mmfuse.nn.Fp8Linear`
   (same parameters; bf16 where fp8 does not pay), put back on revert.
 
@@ -50,19 +53,21 @@ class patch_qwen2_5_vl:
 
     Args:
         model: the model to convert for ``fp8`` (not needed otherwise: the rest patches the classes).
-        positions, rope, rms_norm, swiglu, linear_cross_entropy, fp8: which pieces to patch.
+        positions, rope, rms_norm, swiglu, linear_cross_entropy, fp8, vision_attention: which pieces to
+            patch.
 
     A piece the installed transformers lays out in a way mmfuse does not know raises ImportError at
     ``apply()``, naming the piece and the supported versions; pass that piece as False to go on.
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None, *, positions: bool = True, rope: bool = True,
-                 rms_norm: bool = True, swiglu: bool = True, linear_cross_entropy: bool = True, fp8: bool = False):
+                 rms_norm: bool = True, swiglu: bool = True, linear_cross_entropy: bool = True, fp8: bool = False,
+                 vision_attention: bool = True):
         if fp8 and model is None:
             raise ValueError("patch_qwen2_5_vl: fp8=True converts the model's linears: pass the model")
         self.model = model
         self.positions, self.rope, self.rms_norm, self.swiglu = positions, rope, rms_norm, swiglu
-        self.linear_cross_entropy, self.fp8 = linear_cross_entropy, fp8
+        self.linear_cross_entropy, self.fp8, self.vision_attention = linear_cross_entropy, fp8, vision_attention
         self._resolved = None  # the replacements, made once: re-applying installs the same functions
         self._saved = []    # (owner, attribute, previous value or _MISSING)
         self._swapped = []  # (parent module, child name, the nn.Linear put back on revert)
@@ -74,7 +79,8 @@ class patch_qwen2_5_vl:
         m, v = _q.modeling(spec)
         pieces = [(self.positions, _q.text_positions_targets), (self.positions, _q.vision_positions_targets),
                   (self.rope, _q.rope_targets), (self.rms_norm, _q.rms_norm_targets),
-                  (self.swiglu, _q.swiglu_targets), (self.linear_cross_entropy, _q.linear_cross_entropy_targets)]
+                  (self.swiglu, _q.swiglu_targets), (self.linear_cross_entropy, _q.linear_cross_entropy_targets),
+                  (self.vision_attention, _q.vision_attention_targets)]
         return [t for on, make in pieces if on for t in make(spec, m, v)]
 
     def apply(self):

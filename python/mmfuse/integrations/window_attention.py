@@ -1,0 +1,73 @@
+"""The vision tower's window attention in a few SDPA calls.
+
+Without flash attention, transformers (4.52 and later) runs ``scaled_dot_product_attention`` once per
+window: at Qwen2.5-VL's window size (64 patches), hundreds of calls a layer for a few images, each too
+small to fill the GPU and bounded by the host. The windows of an image are consecutive in the tower's
+order and mostly of one length, so each run of consecutive equal-length windows is one batched call of
+the same kernel here (a window attends only within itself, as before)."""
+
+import weakref
+from typing import List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+def window_runs(lengths: Sequence[int]) -> List[Tuple[int, int]]:
+    """``[(length, count)]``: consecutive windows of one length, in order; empty windows dropped."""
+    runs: List[Tuple[int, int]] = []
+    for n in lengths:
+        if n < 0:
+            raise ValueError(f"mmfuse window attention: cu_seqlens: expected non-decreasing offsets, got a window "
+                             f"of length {n}")
+        if n == 0:
+            continue
+        if runs and runs[-1][0] == n:
+            runs[-1] = (n, runs[-1][1] + 1)
+        else:
+            runs.append((n, 1))
+    return runs
+
+
+_last = [None, -1, None]  # (weak reference to cu_seqlens, its version, its window lengths)
+
+
+def window_lengths(cu_seqlens: Tensor) -> List[int]:
+    """The window lengths of ``cu_seqlens`` on the host. The tower passes one tensor to each of its
+    layers: it is read once (one host sync a forward, where transformers syncs once a layer)."""
+    if torch.compiler.is_compiling():
+        return (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    ref, version, lengths = _last
+    if ref is not None and ref() is cu_seqlens and version == cu_seqlens._version:
+        return lengths
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    _last[:] = [weakref.ref(cu_seqlens), cu_seqlens._version, lengths]
+    return lengths
+
+
+def sdpa_by_windows(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], scale: float) -> Tensor:
+    """Attention of each window to itself: ``q``, ``k``, ``v`` ``[S, H, D]`` (any strides), ``lengths``
+    summing to S; returns ``[S, H, D]``. Each run of consecutive windows of one length is one
+    ``scaled_dot_product_attention`` over ``[windows, H, length, D]`` views (no copy in)."""
+    S, H, D = q.shape
+    if sum(lengths) != S:
+        raise ValueError(f"mmfuse window attention: cu_seqlens: expected windows covering the {S} patches, got "
+                         f"{sum(lengths)}")
+    if S == 0:
+        return q.new_empty((0, H, D))
+    outs, start = [], 0
+    for n, count in window_runs(lengths):
+        end = start + n * count
+
+        def windows(t):
+            return t[start:end].unflatten(0, (count, n)).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(windows(q), windows(k), windows(v), scale=scale)
+        outs.append(o.transpose(1, 2).reshape(n * count, H, D))
+        start = end
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+__all__ = ["sdpa_by_windows", "window_lengths", "window_runs"]
