@@ -34,11 +34,10 @@ def window_runs(lengths: Sequence[int]) -> List[Tuple[int, int]]:
 _last = [None, -1, None]  # (weak reference to cu_seqlens, its version, its window lengths)
 
 
+@torch.compiler.disable  # data-dependent either way; run eagerly, the cache holds under torch.compile too
 def window_lengths(cu_seqlens: Tensor) -> List[int]:
     """The window lengths of ``cu_seqlens`` on the host. The tower passes one tensor to each of its
     layers: it is read once (one host sync a forward, where transformers syncs once a layer)."""
-    if torch.compiler.is_compiling():
-        return (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     ref, version, lengths = _last
     if ref is not None and ref() is cu_seqlens and version == cu_seqlens._version:
         return lengths
