@@ -64,8 +64,7 @@ def _snapshot(spec=Q.QWEN2_5_VL):
     mod, _ = Q.modeling(spec)
     owners = [mod, getattr(mod, spec.model), getattr(mod, spec.for_cg), getattr(mod, spec.vision),
               Q.rms_norm_class(spec, mod)] + [getattr(mod, n) for n in spec.mlps]
-    if spec.vision_attention:
-        owners.append(getattr(mod, spec.vision_attention))
+    owners += [getattr(mod, n) for n in spec.vision_attention if hasattr(mod, n)]
     return [dict(vars(o)) for o in owners]
 
 
@@ -111,12 +110,17 @@ def test_positions_and_rope_exact(device, dtype, family, monkeypatch):
         torch.testing.assert_close(got_grads[n], g, rtol=0, atol=0, msg=lambda s: f"{n}: {s}")
 
 
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vision_attention_by_windows(device, dtype, family, monkeypatch):
-    """vision_attention=True with SDPA: the tower's windows through batched SDPA calls (counted, where
-    transformers' layout calls SDPA once a window), logits and gradients equal to transformers' own."""
+    """vision_attention=True with SDPA: the tower's windows through batched SDPA calls (counted), logits
+    and gradients equal to transformers' own where it calls SDPA once a window (4.52+), close where it
+    makes one masked call (4.49-4.51)."""
     from mmfuse.integrations import window_attention as W
 
     spec, patch = FAMILIES[family]
@@ -130,18 +134,22 @@ def test_vision_attention_by_windows(device, dtype, family, monkeypatch):
     with patch(positions=False, rope=False, rms_norm=False, swiglu=False, linear_cross_entropy=False):
         got_logits, got_grads, _ = _run(model, batch)
     assert _snapshot(spec) == before
-    loop = Q._windows_loop(getattr(Q.modeling(spec)[0], spec.vision_attention).forward)
+    mod = Q.modeling(spec)[0]
+    layouts = {Q.window_attention_layout(getattr(mod, n).forward) for n in spec.vision_attention if hasattr(mod, n)}
+    layouts.discard(None)
+    assert layouts, "every supported transformers has one of the two layouts"
     # every block of the tower, which runs for the images and for the video
-    assert calls.get("sdpa_by_windows", 0) == (3 * 2 if loop else 0), calls
+    assert calls.get("sdpa_by_windows", 0) == (3 * 2 if layouts else 0), (calls, layouts)
+    if "masked" in layouts:  # another summation than one masked call over every patch: close, as RMSNorm's
+        assert _rel(got_logits, want_logits) <= (1e-5 if dtype == torch.float32 else 5e-2)
+        for n, g in want_grads.items():
+            assert _rel(got_grads[n], g) <= (1e-4 if dtype == torch.float32 else 0.1), n
+        return
     tol = dict(rtol=0, atol=0) if device == "cuda" else dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 \
         else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(got_logits, want_logits, **tol)
     for n, g in want_grads.items():
         torch.testing.assert_close(got_grads[n], g, **tol, msg=lambda s: f"{n}: {s}")
-
-
-def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

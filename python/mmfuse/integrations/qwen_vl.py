@@ -19,9 +19,11 @@ vision RoPE         ``apply_rotary_pos_emb_vision``        :func:`mmfuse.mrope` 
 RMSNorm             ``Qwen2_5_VLRMSNorm`` (5.2+) or        :func:`mmfuse.rms_norm`
                     ``Qwen2RMSNorm``
 MLPs                ``Qwen2MLP``, ``Qwen2_5_VLMLP``        stacked gate/up GEMM, :func:`mmfuse.swiglu`
-vision attention    ``Qwen2_5_VLVisionAttention.forward``  SDPA a run of equal windows, not a window
-                    (4.52+: one SDPA call a window         (:mod:`mmfuse.integrations.window_attention`);
-                    without flash attention)               4.49-4.51 (one masked call) not patched
+vision attention    ``Qwen2_5_VLVisionAttention.forward``  SDPA a run of equal windows
+                    (4.52+, with SDPA: one call a window)  (:mod:`mmfuse.integrations.window_attention`)
+                    ``Qwen2_5_VLVisionSdpaAttention``
+                    (4.49-4.51: one call, every patch,
+                    under a block-diagonal mask)
 loss                ``Qwen2_5_VLForConditionalGeneration   :func:`mmfuse.linear_cross_entropy`
                     .forward``
 ==================  =====================================  ===========================================
@@ -59,20 +61,20 @@ class Spec:
     norms: Tuple[str, ...]     # RMSNorm class names, the first present is patched
     mlps: Tuple[str, ...]      # SwiGLU MLP classes
     tokens_per_second: Optional[float]  # None: the vision config's; Qwen2-VL: 1 (time = frame index)
-    vision_attention: Optional[str] = None  # the vision tower's attention class (None: not patched)
+    vision_attention: Tuple[str, ...] = ()  # the vision tower's attention classes (the SDPA ones)
 
 
 QWEN2_5_VL = Spec("Qwen2.5-VL", "qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel",
                   "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VisionTransformerPretrainedModel",
                   ("Qwen2_5_VLRMSNorm", "Qwen2RMSNorm"), ("Qwen2MLP", "Qwen2_5_VLMLP"), None,
-                  "Qwen2_5_VLVisionAttention")
+                  ("Qwen2_5_VLVisionAttention", "Qwen2_5_VLVisionSdpaAttention"))
 # Qwen3-VL (transformers 4.57+): its text RoPE, norms, MLPs and loss; its positions (timestamps between
 # video frames) are not covered
 QWEN3_VL = Spec("Qwen3-VL", "qwen3_vl.modeling_qwen3_vl", "Qwen3VLModel", "Qwen3VLForConditionalGeneration",
                 "Qwen3VLVisionModel", ("Qwen3VLTextRMSNorm",), ("Qwen3VLTextMLP",), None)
 QWEN2_VL = Spec("Qwen2-VL", "qwen2_vl.modeling_qwen2_vl", "Qwen2VLModel", "Qwen2VLForConditionalGeneration",
                 "Qwen2VisionTransformerPretrainedModel", ("Qwen2VLRMSNorm", "Qwen2RMSNorm"), ("Qwen2MLP",), 1.0,
-                 "VisionAttention")
+                 ("VisionAttention", "VisionSdpaAttention"))
 
 
 def version_tuple(v: str):
@@ -323,34 +325,50 @@ def swiglu_targets(spec, m, v):
     return targets
 
 
-def _windows_loop(fn) -> bool:
-    """Whether a vision attention forward is the layout patched: one SDPA call a window of cu_seqlens."""
+def window_attention_layout(fn) -> Optional[str]:
+    """The layout of a vision attention forward: ``"loop"`` (4.52+: with SDPA, one call a window of
+    cu_seqlens), ``"masked"`` (4.49-4.51's SDPA class: one call over every patch under a
+    block-diagonal mask), or None (another: left to transformers)."""
     try:
         src = inspect.getsource(fn)
     except (OSError, TypeError):
-        return False
-    return "lengths.tolist()" in src and "torch.split(" in src and "self.qkv(" in src and "self.proj(" in src
+        return None
+    if "self.qkv(" not in src or "self.proj(" not in src or "apply_rotary_pos_emb_vision(" not in src:
+        return None
+    if "lengths.tolist()" in src and "torch.split(" in src:
+        return "loop"
+    if "attention_mask = torch.zeros([1, seq_length, seq_length]" in src and "scaled_dot_product_attention(" in src:
+        return "masked"
+    return None
 
 
 def vision_attention_targets(spec, m, v):
-    cls = getattr(m, spec.vision_attention, None) if spec.vision_attention else None
-    if cls is None or not _windows_loop(cls.forward):
-        return []  # no per-window loop (4.49-4.51: one masked call, flash-only layouts): nothing to batch
-    orig = cls.forward
+    targets = []
+    for cls in (getattr(m, n) for n in spec.vision_attention if hasattr(m, n)):
+        layout = window_attention_layout(cls.forward)
+        if layout is not None:
+            targets.append((cls, "forward", _window_attention_forward(m, cls.forward, layout)))
+    return targets
+
+
+def _window_attention_forward(m, orig, layout):
     bind = _binder(orig)
 
     def forward(self, *args, **kwargs):
         a = bind(self, *args, **kwargs)
         pe = a.get("position_embeddings")
-        if self.config._attn_implementation != "sdpa" or pe is None or (self.training and self.attention_dropout):
+        sdpa = layout == "masked" or self.config._attn_implementation == "sdpa"
+        if not sdpa or pe is None or (self.training and getattr(self, "attention_dropout", 0.0)):
             return orig(self, *args, **kwargs)
         x = a["hidden_states"]
         S = x.shape[0]
         q, k, val = self.qkv(x).reshape(S, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = m.apply_rotary_pos_emb_vision(q, k, *pe)  # the module's, patched or not, as transformers calls it
-        out = _windows.sdpa_by_windows(q, k, val, _windows.window_lengths(a["cu_seqlens"]), self.scaling)
+        # transformers' own scale where it passes one (4.52+), SDPA's default where it does not
+        out = _windows.sdpa_by_windows(q, k, val, _windows.window_lengths(a["cu_seqlens"]),
+                                       getattr(self, "scaling", None))
         return self.proj(out.reshape(S, -1))
-    return [(cls, "forward", forward)]
+    return forward
 
 
 def linear_cross_entropy_targets(spec, m, v):
@@ -360,4 +378,5 @@ def linear_cross_entropy_targets(spec, m, v):
 
 __all__ = ["QWEN2_5_VL", "QWEN2_VL", "QWEN3_VL", "SUPPORTED", "Spec", "linear_cross_entropy_targets", "modeling",
            "rms_norm_class", "rms_norm_targets", "rope_index_owner", "rope_targets", "swiglu_targets",
-           "text_positions_targets", "version_tuple", "vision_attention_targets", "vision_positions_targets"]
+           "text_positions_targets", "version_tuple", "vision_attention_targets", "vision_positions_targets",
+           "window_attention_layout"]

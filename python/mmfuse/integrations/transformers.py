@@ -19,8 +19,9 @@ that trains it with mmfuse:
   logits (``outputs.logits`` is None then; eval and label-free calls are unchanged); transformers'
   causal-LM loss (shifted labels, -100 ignored, ``num_items_in_batch`` from the Trainer);
 - ``vision_attention``: the vision tower's window attention with SDPA (transformers 4.52+ calls SDPA
-  once a window) -> one SDPA call for each run of consecutive windows of one length
-  (:mod:`mmfuse.integrations.window_attention`: the same kernel, batched);
+  once a window, 4.49-4.51 once over every patch under a block-diagonal mask) -> one SDPA call for
+  each run of consecutive windows of one length (:mod:`mmfuse.integrations.window_attention`; 4.52+:
+  the same kernel, batched);
 - ``fp8`` (needs ``model``): every ``nn.Linear`` of the model but ``lm_head`` -> :class:`mmfuse.nn.Fp8Linear`
   (same parameters; bf16 where fp8 does not pay), put back on revert.
 

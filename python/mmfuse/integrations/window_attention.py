@@ -1,8 +1,9 @@
 """The vision tower's window attention in a few SDPA calls.
 
-Without flash attention, transformers (4.52 and later) runs ``scaled_dot_product_attention`` once per
+Without flash attention, transformers 4.52 and later run ``scaled_dot_product_attention`` once per
 window: at Qwen2.5-VL's window size (64 patches), hundreds of calls a layer for a few images, each too
-small to fill the GPU and bounded by the host. The windows of an image are consecutive in the tower's
+small to fill the GPU and bounded by the host; 4.49-4.51 run one call over every patch under a
+block-diagonal mask (work and mask quadratic in the patches). The windows of an image are consecutive in the tower's
 order and mostly of one length, so each run of consecutive equal-length windows is one batched call of
 the same kernel here (a window attends only within itself, as before)."""
 
