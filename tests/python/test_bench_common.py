@@ -13,6 +13,15 @@ def test_time_us_median_and_spread(monkeypatch):
     assert common.time_us(lambda: None, "cpu", iters=3) == (2.0, 2.0)
 
 
+def test_time_us_interleaved_samples_in_turn(monkeypatch):
+    order = []
+    monkeypatch.setattr(common, "_sample", lambda fn, device, cycles: order.append(fn()) or 10.0 * fn() + len(order))
+    monkeypatch.setattr(common, "_warm_up", lambda fn, device, warmup: 0)
+    got = common.time_us_interleaved([lambda: 1, lambda: 2], "cpu", rounds=3)
+    assert order == [1, 2, 1, 2, 1, 2]
+    assert got == [(13.0, 4.0), (24.0, 4.0)]  # samples 11, 13, 15 and 22, 24, 26
+
+
 def test_cpu_run_checks_agreement_and_prints_no_timings(capsys):
     from mmfuse.bench.__main__ import main
     assert main(["gemm", "moe", "--device", "cpu"]) == 0

@@ -4,7 +4,7 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -20,6 +20,18 @@ def time_us(fn: Callable[[], object], device: str, warmup: int = 5, iters: int =
     cycles = _warm_up(fn, device, warmup)
     times = [_sample(fn, device, cycles) for _ in range(iters)]
     return statistics.median(times), max(times) - min(times)
+
+
+def time_us_interleaved(fns: Sequence[Callable[[], object]], device: str, warmup: int = 3, rounds: int = 5) -> list:
+    """``time_us`` of several fns sampled in turn (fn 0, fn 1, ..., then again): a drift of the card's
+    clock or temperature over the run falls on every fn alike, so the ratios between them hold.
+    Returns ``[(median, spread)]`` in microseconds, in the order of ``fns``."""
+    cycles = [_warm_up(fn, device, warmup) for fn in fns]
+    times: List[List[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, c, t in zip(fns, cycles, times):
+            t.append(_sample(fn, device, c))
+    return [(statistics.median(t), max(t) - min(t)) for t in times]
 
 
 def _warm_up(fn: Callable[[], object], device: str, warmup: int) -> int:

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..nn.vla import VLADecoder
-from .common import add_step_ratios, print_step_table, time_us, verify_step_rows
+from .common import add_step_ratios, print_step_table, time_us, time_us_interleaved, verify_step_rows
 from .vla_reference import Batch, VLAConfig, VLAReference, init_weights, make_batch, preset, type_indices
 
 
@@ -138,9 +138,10 @@ def _train_losses(v: _Variant, target, steps: int, lr: float) -> List[float]:
     return losses
 
 
-def _bound_us(cfg: VLAConfig, batch: Batch, device, iters: int, fp8: bool = False) -> float:
-    """The step's GEMMs (forward, dX and dW of every projection and expert) and attention (SDPA forward
-    and backward) back to back at its shapes, with nothing between them: a layer's time x layers. With
+def _bound_layer(cfg: VLAConfig, batch: Batch, device, fp8: bool = False) -> Callable[[], None]:
+    """One layer of the step's GEMMs (forward, dX and dW of every projection and expert) and attention
+    (SDPA forward and backward) back to back at its shapes, with nothing between them (the bound is
+    its time x layers). With
     ``fp8`` the GEMMs that the fp8 model runs in fp8 (q/k/v, o and every expert whose gate/up GEMM is
     big enough: mmfuse.fp8.fp8_pays) are torch._scaled_mm of pre-quantized operands (e4m3, the
     gradient e5m2), the rest bf16."""
@@ -181,8 +182,11 @@ def _bound_us(cfg: VLAConfig, batch: Batch, device, iters: int, fp8: bool = Fals
         torch.autograd.grad(o, (q, k, v), do)
 
     ops.append(attention)
-    us, _ = time_us(lambda: [op() for op in ops], device, iters=iters)
-    return us * cfg.layers
+
+    def layer():
+        for op in ops:
+            op()
+    return layer
 
 
 def _expert_block_ms(cfg: VLAConfig, batch: Batch, device, iters: int) -> dict:
@@ -265,13 +269,19 @@ def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, b
     bound = bound8 = experts = None
     if on_gpu:
         it = dict(iters=5 if quick else 20)
-        bound = _bound_us(cfg, data, device, it["iters"]) / 1e3
-        bound8 = _bound_us(cfg, data, device, it["iters"], fp8=True) / 1e3 if fp8 else None
-        for v, row in zip(variants, rows):
-            ms = time_us(lambda: v.step(data.target), device, warmup=3, iters=it["iters"])[0] / 1e3
-            row.update(ms=ms, tokens_per_s=B * L / (ms * 1e-3), peak_gib=_peak_extra_bytes(v, data.target, device) / 2 ** 30,
+        # the bound layers and every variant's step sampled in turn, so that their ratios hold
+        bounds = [_bound_layer(cfg, data, device)] + ([_bound_layer(cfg, data, device, fp8=True)] if fp8 else [])
+        steps_ = [lambda v=v: v.step(data.target) for v in variants]
+        timed = time_us_interleaved(bounds + steps_, device, warmup=3, rounds=it["iters"])
+        bound = timed[0][0] * cfg.layers / 1e3
+        bound8 = timed[1][0] * cfg.layers / 1e3 if fp8 else None
+        del bounds
+        for v, row, (us, spread) in zip(variants, rows, timed[len(timed) - len(variants):]):
+            ms = us / 1e3
+            row.update(ms=ms, spread_ms=spread / 1e3, tokens_per_s=B * L / (ms * 1e-3),
+                       peak_gib=_peak_extra_bytes(v, data.target, device) / 2 ** 30,
                        x_bound=ms / (bound8 if "fp8" in v.name else bound))
-            print(f"  {v.name}: timed", flush=True)
+        print("  timed (every variant and the bound, in turn)", flush=True)
         add_step_ratios(rows, "PyTorch eager", "PyTorch compiled")
         experts = _expert_block_ms(cfg, data, device, it["iters"]) if fp8 else None
         first = [(label, b, B * L / (b * 1e-3), 1.0) for label, b in (("bound (GEMMs + attn)", bound),
