@@ -4,10 +4,10 @@ without ever holding the ``[T, V]`` logits.
 The tokens go in chunks: each chunk's logits (fp32 accumulation, rounded to hidden's dtype as
 ``F.linear`` rounds them, or kept in fp32) are reduced to its loss and log-sum-exp and turned into
 their gradient by one kernel (``linear_cross_entropy_logits_grad``: two reads of the logits, one write
-of the gradient in hidden's dtype), which is folded into ``d_hidden`` at once and into ``d_weight``
-(accumulated in fp32) a group of chunks at a time. With ``reduction="mean"`` or ``"sum"`` the gradients
-are computed in the forward (the backward only scales them by the incoming gradient: three GEMMs in
-all, as an unfused step); with ``"none"`` the backward recomputes each chunk's logits and weighs the
+of the gradient in hidden's dtype), which is folded into ``d_hidden`` and ``d_weight`` (accumulated
+in fp32) a group of chunks at a time. With ``reduction="mean"`` or ``"sum"`` the gradients are
+computed in the forward (the backward only scales them by the incoming gradient: three GEMMs in all,
+as an unfused step); with ``"none"`` the backward recomputes each chunk's logits and weighs the
 rows by the incoming per-token gradient. Peak extra memory: one chunk's logits, a group's logit
 gradients and the fp32 weight gradient, which the forward rounds to the weight's dtype before the
 backward (only that copy is saved).
@@ -28,6 +28,10 @@ _REDUCTIONS = ("mean", "sum", "none")
 # its fp32 [V, H] accumulator is read and written once a group, for the group's gradients held in
 # hidden's dtype (1.2 GB at 4096 tokens of a 151936 vocabulary)
 DW_GROUP_TOKENS = 4096
+# d_hidden's GEMM over a group's logit gradients at once (they are held for d_weight's anyway), not a
+# chunk at a time: [4096, V] @ [V, H] fills the GPU in whole waves where [1024, V] @ [V, H] (a few
+# dozen output tiles over a 151936-long K) does not
+DH_PER_GROUP = True
 
 
 def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], fp32: bool) -> Tensor:
@@ -90,6 +94,7 @@ def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss,
     fused = hidden.dtype != torch.float64  # the fused kernel (fp32 or 16-bit logits); fp64 (gradcheck): PyTorch ops
     group = chunk * (max(1, DW_GROUP_TOKENS // chunk) if fused else 1)
     g_buf = hidden.new_empty(min(group, T), V) if need_grads and fused else None
+    per_group = DH_PER_GROUP
     for i0 in range(0, T, group):
         i1 = min(i0 + group, T)
         for i in range(i0, i1, chunk):
@@ -110,7 +115,7 @@ def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss,
                 del g
             del z  # before the next chunk's logits are made
             losses[i:j] = loss
-            if not need_grads:
+            if not need_grads or (fused and per_group):
                 continue
             if bias is not None:
                 db += gd.float().sum(0)
@@ -119,6 +124,10 @@ def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss,
                 dw += (gd.t() @ h).to(dw.dtype)
         if need_grads and fused:
             gg, hh = g_buf[:i1 - i0], hidden[i0:i1]
+            if per_group:
+                if bias is not None:
+                    db += gg.float().sum(0)
+                torch.matmul(gg, weight, out=dh[i0:i1])
             if hidden.dtype == torch.float32 or not dw_fp32:
                 dw.addmm_(gg.t(), hh)  # into the accumulator (fp32 sums, one rounding to its dtype), no temporary
             else:  # fp32 accumulation into dw: the dual GEMM's accumulate (g^T @ h)

@@ -109,6 +109,26 @@ def test_weight_gradient_groups_agree(groups, monkeypatch):
     torch.testing.assert_close(got[1], want[1], rtol=1e-2, atol=1e-4)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_hidden_gradient_per_chunk_or_per_group_agree(bias, monkeypatch):
+    # d_hidden's GEMM over a group's logit gradients (default) or a chunk's (the bench's dropped row)
+    import importlib
+
+    lce = importlib.import_module("mmfuse.linear_cross_entropy")
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(45, 16, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(30, 16, generator=g).bfloat16().requires_grad_()
+    b = torch.randn(30, generator=g).bfloat16().requires_grad_() if bias else None
+    y = torch.randint(0, 30, (45,), generator=g)
+    monkeypatch.setattr(lce, "DW_GROUP_TOKENS", 16)  # groups of four 4-token chunks, the last short
+    inputs = (h, w) + ((b,) if bias else ())
+    want = torch.autograd.grad(mmfuse.linear_cross_entropy(h, w, y, bias=b, chunk_tokens=4), inputs)
+    monkeypatch.setattr(lce, "DH_PER_GROUP", False)
+    got = torch.autograd.grad(mmfuse.linear_cross_entropy(h, w, y, bias=b, chunk_tokens=4), inputs)
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c, rtol=1e-2, atol=1e-4)
+
+
 def test_opcheck_and_compile():
     h = torch.randn(10, 16, requires_grad=True)
     w = torch.randn(19, 16, requires_grad=True)

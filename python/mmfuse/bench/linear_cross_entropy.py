@@ -29,6 +29,16 @@ def _torch_chunked(h, w, y, chunk=1024):
     return total / n
 
 
+def _dh_per_chunk(a, b, c):
+    """mmfuse with d_hidden's GEMM a chunk at a time (the module's DH_PER_GROUP off): the dropped form."""
+    lce = importlib.import_module("mmfuse.linear_cross_entropy")
+    saved, lce.DH_PER_GROUP = lce.DH_PER_GROUP, False
+    try:
+        return mmfuse.linear_cross_entropy(a, b, c)
+    finally:
+        lce.DH_PER_GROUP = saved
+
+
 def _dw_over(tokens: int, **kw):
     """mmfuse with the weight gradient's GEMM taking `tokens` tokens' chunks at once (the module's
     DW_GROUP_TOKENS): fewer passes over its fp32 accumulator for more logit gradients held."""
@@ -59,9 +69,9 @@ def _bound_us(h, w, it) -> float:
 
 
 def _chunked_gemms_us(h, w, it) -> float:
-    """mmfuse's GEMMs alone at its defaults: each 1024-token chunk's logits and d_hidden, the weight
-    gradient accumulated in fp32 once a 4096-token group (the accumulator's passes are the price of never
-    holding [T, V]): the floor of the chunked step."""
+    """mmfuse's GEMMs alone at its defaults: each 1024-token chunk's logits, then d_hidden and the weight
+    gradient (accumulated in fp32) once a 4096-token group (the accumulator's passes are the price of
+    never holding [T, V]): the floor of the chunked step."""
     lce = importlib.import_module("mmfuse.linear_cross_entropy")
     chunk, group = 1024, lce.DW_GROUP_TOKENS
     g = torch.empty(group, w.shape[0], device=h.device, dtype=h.dtype)
@@ -73,7 +83,7 @@ def _chunked_gemms_us(h, w, it) -> float:
             for i in range(i0, i0 + group, chunk):
                 z = g[i - i0:i - i0 + chunk]  # stands in for the chunk's logits and their gradient
                 torch.mm(h[i:i + chunk], w.t(), out=z)
-                torch.mm(z, w, out=dh[i:i + chunk])
+            torch.mm(g, w, out=dh[i0:i0 + group])
             torch.ops.mmfuse.dual_gemm_out(g, h[i0:i0 + group], empty, empty, dw, dw[:0, :0], True, False, True)
     us = time_us(gemms, "cuda", **it)[0]
     del g
@@ -97,6 +107,8 @@ def run(device: str, quick: bool = False) -> dict:
                 # the logits in fp32 (finer than the unfused step's; twice their traffic)
                 ("mmfuse, logits in fp32",
                  lambda a, b, c: mmfuse.linear_cross_entropy(a, b, c, logits_dtype=torch.float32)),
+                # d_hidden's GEMM a chunk at a time (default: a group, with the weight gradient's)
+                ("mmfuse, d_hidden a chunk at a time", _dh_per_chunk),
                 # the weight gradient's accumulator passes (default: every 4096 tokens)
                 ("mmfuse, weight gradient every 2048 tokens", _dw_over(2048)),
                 ("mmfuse, weight gradient every 8192 tokens", _dw_over(8192)),
