@@ -19,6 +19,7 @@ constexpr KnobInfo kKnobs[] = {
     {"MMFUSE_MOE_PLAN_HIST", "moe_plan", {"auto", "wide", "narrow", nullptr, nullptr}},
     {"MMFUSE_MOE_BWD", "moe_unpermute_backward", {"auto", "tile", "general", "warp", "entry"}},
     {"MMFUSE_RMS_NORM_BWD", "rms_norm_backward", {"auto", "prefetch", "single", nullptr, nullptr}},
+    {"MMFUSE_LCE_GRAD", "linear_cross_entropy_logits_grad", {"auto", "two", "cluster", nullptr, nullptr}},
 };
 constexpr int kNumKnobs = int(sizeof(kKnobs) / sizeof(kKnobs[0]));
 

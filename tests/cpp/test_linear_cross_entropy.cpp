@@ -1,7 +1,7 @@
-// linear_cross_entropy's logits gradient on the CPU and CUDA against a float64 reference from the same
-// fp32 logits: label smoothing, z-loss and the softcap each on and off, ignored rows, padded rows, odd
-// and vocabulary-size widths, bf16 / fp16 / fp32 gradients; outputs poisoned first; bad input names
-// the argument.
+// linear_cross_entropy's logits gradient on the CPU and CUDA (both kernels) against a float64 reference
+// from the same fp32 logits: label smoothing, z-loss and the softcap each on and off, ignored rows,
+// padded rows, odd and vocabulary-size widths, bf16 / fp16 / fp32 gradients; outputs poisoned first;
+// bad input names the argument; the one-read kernel's launch shape.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda/linear_cross_entropy/path.h"
+#include "mmfuse/common.h"
 #include "mmfuse/linear_cross_entropy.h"
 #include "test_util.h"
 
@@ -100,7 +102,9 @@ void run_case(int64_t C, int64_t V, int64_t pad, Opts o, std::mt19937_64& rng, b
 }
 
 const Opts kOpts[] = {{0, 0, 0}, {0.1f, 0, 0}, {0, 1e-3f, 0}, {0, 0, 30.0f}, {0.05f, 1e-4f, 15.0f}};
-const int64_t kShapes[][3] = {{1, 1, 0}, {7, 13, 3}, {16, 1000, 0}, {9, 4099, 5}, {3, 151936, 0}};
+// with the one-read kernel forced (CUDA): rows of 1 (1000), 2 (60000), 4 (bf16 151936) and 8 (fp32
+// 151936) blocks; 13 and 4099 are not 16-byte rows (the two-pass kernel)
+const int64_t kShapes[][3] = {{1, 1, 0}, {7, 13, 3}, {16, 1000, 0}, {9, 4099, 5}, {5, 60000, 8}, {3, 151936, 0}};
 
 template <class S, class Z = float>
 void all_cases(bool on_gpu) {
@@ -117,6 +121,34 @@ TEST(LinearCrossEntropyCpu, LogitsGradAgainstFloat64) {
   all_cases<float>(false);
   all_cases<bf16, bf16>(false);  // logits in the hidden dtype
   all_cases<f16, f16>(false);
+}
+
+TEST(LinearCrossEntropyPath, OneReadKernelShape) {
+  using detail::lce::GradForce;
+  using detail::lce::grad_launch;
+  const auto cluster = GradForce::kCluster;
+  // the fewest blocks a row whose 16-byte-rounded slices fit 96 KiB
+  EXPECT_EQ(grad_launch(151936, 2, true, 90, cluster).cluster, 4);
+  EXPECT_EQ(grad_launch(151936, 2, true, 90, cluster).slice, 37984);
+  EXPECT_EQ(grad_launch(151936, 4, true, 90, cluster).cluster, 8);
+  EXPECT_EQ(grad_launch(151936, 4, true, 90, cluster).slice, 18992);
+  EXPECT_EQ(grad_launch(60000, 2, true, 90, cluster).cluster, 2);
+  EXPECT_EQ(grad_launch(1000, 2, true, 90, cluster).cluster, 1);
+  EXPECT_EQ(grad_launch(1000, 2, true, 90, cluster).slice, 1000);
+  EXPECT_EQ(grad_launch(49152, 2, true, 90, cluster).cluster, 1);  // exactly 96 KiB
+  EXPECT_EQ(grad_launch(49160, 2, true, 90, cluster).cluster, 2);
+  // a slice is whole 16-byte vectors; the last block may hold less
+  EXPECT_EQ(grad_launch(60008, 2, true, 90, cluster).slice, 30008);
+  EXPECT_EQ(grad_launch(3 * 8 * 4096 + 8, 2, true, 90, cluster).slice % 8, 0);
+  // the two-pass kernel: rows past 8 blocks, unaligned rows, before sm_90, on request, and (for now) auto
+  EXPECT_EQ(grad_launch(8 * 49152 + 8, 2, true, 90, cluster).cluster, 0);
+  EXPECT_EQ(grad_launch(151936, 2, false, 90, cluster).cluster, 0);
+  EXPECT_EQ(grad_launch(151936, 2, true, 80, cluster).cluster, 0);
+  EXPECT_EQ(grad_launch(151936, 2, true, 90, GradForce::kTwoPass).cluster, 0);
+  EXPECT_EQ(grad_launch(151936, 2, true, 90, GradForce::kAuto).cluster,
+            detail::lce::kClusterAuto ? 4 : 0);
+  EXPECT_EQ(grad_launch(1000, 2, true, 90, GradForce::kAuto).cluster, 0);  // a row that stays in L2
+  EXPECT_EQ(grad_launch(0, 2, true, 90, cluster).cluster, 0);
 }
 
 TEST(LinearCrossEntropyCpu, BadInputNamesTheProblem) {
@@ -152,12 +184,20 @@ TEST(LinearCrossEntropyCpu, BadInputNamesTheProblem) {
 }
 
 #ifdef MMFUSE_WITH_CUDA
+// Each kernel (MMFUSE_LCE_GRAD): the two-pass one, and the one-read one on every 16-byte shape.
 TEST(LinearCrossEntropyCuda, LogitsGradAgainstFloat64) {
   if (!has_gpu()) GTEST_SKIP() << "no GPU";
-  all_cases<bf16>(true);
-  all_cases<f16>(true);
-  all_cases<float>(true);
-  all_cases<bf16, bf16>(true);
-  all_cases<f16, f16>(true);
+  struct Restore {
+    ~Restore() { set_path_override("MMFUSE_LCE_GRAD", ""); }
+  } restore;
+  for (const char* path : {"two", "cluster"}) {
+    SCOPED_TRACE(path);
+    set_path_override("MMFUSE_LCE_GRAD", path);
+    all_cases<bf16>(true);
+    all_cases<f16>(true);
+    all_cases<float>(true);
+    all_cases<bf16, bf16>(true);
+    all_cases<f16, f16>(true);
+  }
 }
 #endif

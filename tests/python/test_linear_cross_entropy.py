@@ -155,13 +155,25 @@ def test_opcheck_and_compile():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_cuda_matches_cpu():
+@pytest.mark.parametrize("path", ["auto", "two", "cluster"])  # the logits gradient's kernels
+@pytest.mark.parametrize("V", [1000, 60000])
+def test_cuda_matches_cpu(path, V):
+    from mmfuse.bench.common import path_override
+
     g = torch.Generator().manual_seed(3)
-    h, w = torch.randn(300, 64, generator=g).bfloat16(), torch.randn(1000, 64, generator=g).bfloat16()
-    y = torch.randint(0, 1000, (300,), generator=g)
-    want = mmfuse.linear_cross_entropy(h, w, y, chunk_tokens=64)
-    got = mmfuse.linear_cross_entropy(h.cuda(), w.cuda(), y.cuda(), chunk_tokens=64)
+    h, w = torch.randn(300, 64, generator=g).bfloat16(), torch.randn(V, 64, generator=g).bfloat16()
+    hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
+    y = torch.randint(0, V, (300,), generator=g)
+    y[::7] = -100
+    want = mmfuse.linear_cross_entropy(hc, wc, y, chunk_tokens=64)
+    want.backward()
+    hg, wg = h.cuda().requires_grad_(), w.cuda().requires_grad_()
+    with path_override("MMFUSE_LCE_GRAD", path):
+        got = mmfuse.linear_cross_entropy(hg, wg, y.cuda(), chunk_tokens=64)
+        got.backward()
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hg.grad.cpu(), hc.grad, rtol=2e-2, atol=1e-5)
+    torch.testing.assert_close(wg.grad.cpu(), wc.grad, rtol=2e-2, atol=1e-5)
 
 
 def test_bad_input():

@@ -66,7 +66,8 @@ def _sample(fn: Callable[[], object], device: str, cycles: int) -> float:
 @contextlib.contextmanager
 def path_override(name: str, value: Optional[str]):
     """A CUDA path choice forced inside the block (``name``: MMFUSE_MOE_PLAN, MMFUSE_MOE_PLAN_HIST,
-    MMFUSE_MOE_BWD or MMFUSE_RMS_NORM_BWD; None or "auto": the automatic rule), then back to auto."""
+    MMFUSE_MOE_BWD, MMFUSE_RMS_NORM_BWD or MMFUSE_LCE_GRAD; None or "auto": the automatic rule), then
+    back to auto."""
     torch.ops.mmfuse._set_path_override(name, value or "auto")
     try:
         yield

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import mmfuse
 
-from .common import time_us
+from .common import path_override, time_us
 
 
 def _torch(h, w, y):
@@ -37,6 +37,13 @@ def _dh_per_chunk(a, b, c):
         return mmfuse.linear_cross_entropy(a, b, c)
     finally:
         lce.DH_PER_GROUP = saved
+
+
+def _one_read(a, b, c):
+    """mmfuse with the logits gradient's one-read kernel (MMFUSE_LCE_GRAD=cluster: each row's slices held
+    in a thread-block cluster's shared memory) where the default runs the two-pass one."""
+    with path_override("MMFUSE_LCE_GRAD", "cluster"):
+        return mmfuse.linear_cross_entropy(a, b, c)
 
 
 def _dw_over(tokens: int, **kw):
@@ -107,6 +114,8 @@ def run(device: str, quick: bool = False) -> dict:
                 # the logits in fp32 (finer than the unfused step's; twice their traffic)
                 ("mmfuse, logits in fp32",
                  lambda a, b, c: mmfuse.linear_cross_entropy(a, b, c, logits_dtype=torch.float32)),
+                # the logits gradient read once (a cluster a row) against twice (the default, for now)
+                ("mmfuse, one-read logits gradient", _one_read),
                 # d_hidden's GEMM a chunk at a time (default: a group, with the weight gradient's)
                 ("mmfuse, d_hidden a chunk at a time", _dh_per_chunk),
                 # the weight gradient's accumulator passes (default: every 4096 tokens)
