@@ -141,10 +141,9 @@ def _train_losses(v: _Variant, target, steps: int, lr: float) -> List[float]:
 def _bound_layer(cfg: VLAConfig, batch: Batch, device, fp8: bool = False) -> Callable[[], None]:
     """One layer of the step's GEMMs (forward, dX and dW of every projection and expert) and attention
     (SDPA forward and backward) back to back at its shapes, with nothing between them (the bound is
-    its time x layers). With
-    ``fp8`` the GEMMs that the fp8 model runs in fp8 (q/k/v, o and every expert whose gate/up GEMM is
-    big enough: mmfuse.fp8.fp8_pays) are torch._scaled_mm of pre-quantized operands (e4m3, the
-    gradient e5m2), the rest bf16."""
+    its time x layers). With ``fp8`` the GEMMs that the fp8 model runs in fp8 (q/k/v, o and every expert
+    whose gate/up GEMM is big enough: mmfuse.fp8.fp8_pays) are torch._scaled_mm of pre-quantized
+    operands (e4m3, the gradient e5m2), the rest bf16."""
     from .. import fp8 as _fp8
 
     B, L = batch.shape

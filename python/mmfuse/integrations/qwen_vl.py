@@ -74,7 +74,7 @@ QWEN3_VL = Spec("Qwen3-VL", "qwen3_vl.modeling_qwen3_vl", "Qwen3VLModel", "Qwen3
                 "Qwen3VLVisionModel", ("Qwen3VLTextRMSNorm",), ("Qwen3VLTextMLP",), None)
 QWEN2_VL = Spec("Qwen2-VL", "qwen2_vl.modeling_qwen2_vl", "Qwen2VLModel", "Qwen2VLForConditionalGeneration",
                 "Qwen2VisionTransformerPretrainedModel", ("Qwen2VLRMSNorm", "Qwen2RMSNorm"), ("Qwen2MLP",), 1.0,
-                 ("VisionAttention", "VisionSdpaAttention"))
+                ("VisionAttention", "VisionSdpaAttention"))
 
 
 def version_tuple(v: str):
