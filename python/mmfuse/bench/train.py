@@ -286,6 +286,8 @@ def run(device: str, *, preset_name: str = "3b", layers: Optional[int] = None, b
         first = [(label, b, B * L / (b * 1e-3), 1.0) for label, b in (("bound (GEMMs + attn)", bound),
                                                                       ("bound, fp8 GEMMs", bound8)) if b is not None]
         print_step_table(rows, steps, ("x bound", "x_bound", "{:.2f}"), first)
+        print("spread of the timed rounds (max - min): " +
+              ", ".join(f"{r['variant']} {r['spread_ms']:.2f} ms" for r in rows))
         if experts:
             print(f"\nexpert block of one layer, forward + backward: bf16 {experts['bf16_ms']:.2f} ms, fp8 "
                   f"{experts['fp8_ms']:.2f} ms ({experts['fp8_share']:.2f} of bf16)")
