@@ -84,7 +84,7 @@ TEST(PathOverride, SetByNameAndErrorsNamingTheChoices) {
                      "moe_unpermute_backward: MMFUSE_MOE_BWD: expected auto, tile, general, warp or entry, got 'warps'");
   test::expect_error([] { set_path_override("MMFUSE_MOE_PATH", "auto"); },
                      "set_path_override: name: expected one of MMFUSE_MOE_PLAN, MMFUSE_MOE_PLAN_HIST, MMFUSE_MOE_BWD, "
-                     "MMFUSE_RMS_NORM_BWD, got 'MMFUSE_MOE_PATH'");
+                     "MMFUSE_RMS_NORM_BWD, MMFUSE_LCE_GRAD, got 'MMFUSE_MOE_PATH'");
   EXPECT_EQ(path_override(Knob::kMoePlan), 0);  // a refused value leaves the knob as it was
 }
 
