@@ -152,8 +152,9 @@ void fp8_transpose(const TensorView& q, TensorView& qt, cudaStream_t stream) {
   const Device dev = q.device;
   check_2d(op, "q", q, dev);
   check_2d(op, "qt", qt, dev);
-  MMFUSE_CHECK(is_fp8(q.dtype) && qt.dtype == q.dtype, op, ": expected q and qt of one fp8 dtype, got ",
-               dtype_name(q.dtype), " and ", dtype_name(qt.dtype));
+  MMFUSE_CHECK(is_fp8(q.dtype), op, ": q: expected dtype float8_e4m3fn or float8_e5m2, got ", dtype_name(q.dtype));
+  MMFUSE_CHECK(qt.dtype == q.dtype, op, ": qt: expected q's dtype ", dtype_name(q.dtype), ", got ",
+               dtype_name(qt.dtype));
   const int64_t r = q.shape[0], c = q.shape[1];
   MMFUSE_CHECK(r % kFp8Align == 0 && c % kFp8Align == 0, op, ": q: expected both dims multiples of ", kFp8Align,
                " (a padded copy), got ", shape_str(q));

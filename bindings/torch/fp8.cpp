@@ -92,7 +92,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_quantize_impl(const Tensor& x_in,
 }
 
 Tensor fp8_transpose_impl(const Tensor& q_in) {
-  const Tensor q = kernel_ready(q_in);
+  const Tensor q = q_in.contiguous();  // any view (a slice of a padded copy): the kernel reads dense rows
   Tensor qt = at::empty(q.dim() == 2 ? at::IntArrayRef{q.size(1), q.size(0)} : at::IntArrayRef{0}, q.options());
   guarded("fp8_transpose", [&] {
     TensorView out = view(qt, "qt");

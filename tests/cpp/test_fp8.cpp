@@ -676,7 +676,10 @@ TEST(Fp8Errors, TransposeNamesTheProblem) {
   expect_error([&] { fp8_transpose(host_view(q.data(), DType::kFloat8E5M2, {30, 48}), out, nullptr); },
                "q: expected both dims multiples of 16 (a padded copy), got [30, 48]");
   expect_error([&] { fp8_transpose(host_view(q.data(), DType::kFloat8E4M3, {32, 48}), out, nullptr); },
-               "expected q and qt of one fp8 dtype, got float8_e4m3fn and float8_e5m2");
+               "qt: expected q's dtype float8_e4m3fn, got float8_e5m2");
+  std::vector<bf16> b(32 * 48);
+  expect_error([&] { fp8_transpose(host_view(b.data(), DType::kBFloat16, {32, 48}), out, nullptr); },
+               "q: expected dtype float8_e4m3fn or float8_e5m2, got bfloat16");
   TensorView bad = host_view(qt.data(), DType::kFloat8E5M2, {32, 48});
   expect_error([&] { fp8_transpose(host_view(q.data(), DType::kFloat8E5M2, {32, 48}), bad, nullptr); },
                "qt: expected shape [48, 32], got [32, 48]");

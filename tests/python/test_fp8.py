@@ -454,6 +454,10 @@ def test_opcheck(device):
                               test_utils=no_schema)
     torch.library.opcheck(torch.ops.mmfuse.fp8_transpose, (q,), test_utils=no_schema)
     assert torch.equal(torch.ops.mmfuse.fp8_transpose(q).view(torch.uint8), q.view(torch.uint8).t().contiguous())
+    # views as a caller has them: a column slice of a padded copy, a transposed view, strided columns
+    wide = torch.randint(0, 255, (32, 96), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn).to(device)
+    for v in (wide[:, 16:48], wide[:, :64].t(), wide[:, ::3]):
+        assert torch.equal(torch.ops.mmfuse.fp8_transpose(v).view(torch.uint8), v.view(torch.uint8).t().contiguous())
 
 
 def test_default_scaling_is_delayed_per_tensor_dynamic_per_row():
