@@ -1,8 +1,12 @@
 // Host-only tests of the shared pieces: dtype conversions (exhaustive), views, errors.
+#include <atomic>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "common/overlap.h"
+#include "common/parallel.h"
 #include "common/overrides.h"
 #include "test_util.h"
 
@@ -118,3 +122,30 @@ TEST(Overlap, ViewsShareAnElementOrNot) {
 
 }  // namespace
 }  // namespace mmfuse
+
+// parallel_for: every index once; an exception from any range (a worker thread's too) reaches the
+// caller after all ranges have finished, the lowest range's.
+TEST(ParallelFor, CoversEveryIndexAndRethrowsTheLowestRangesError) {
+  std::vector<std::atomic<int>> seen(1000);
+  mmfuse::parallel_for(1000, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) seen[size_t(i)]++;
+  });
+  for (const auto& v : seen) ASSERT_EQ(v.load(), 1);
+  std::atomic<int64_t> done{0};
+  auto throws_from = [&](int64_t first) {
+    try {
+      mmfuse::parallel_for(1000, 1, [&](int64_t b, int64_t e) {
+        done += e - b;
+        if (e > first) throw std::runtime_error("range from " + std::to_string(std::max(b, first)));
+      });
+    } catch (const std::runtime_error& err) {
+      return std::string(err.what());
+    }
+    return std::string("no error");
+  };
+  done = 0;
+  EXPECT_EQ(throws_from(0), "range from 0");  // every range throws: the first one's error
+  EXPECT_EQ(done.load(), 1000);               // and every range ran to its end first
+  EXPECT_EQ(throws_from(999), "range from 999");  // only the last range (a worker's where threads > 1)
+  EXPECT_EQ(throws_from(1000), "no error");
+}

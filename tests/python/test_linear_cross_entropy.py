@@ -177,6 +177,10 @@ def test_cuda_matches_cpu(path, V):
 
 
 def test_bad_input():
+    # every label bad, rows spread over the CPU's threads: the first one is named (no crash)
+    big_h, big_w = torch.randn(64, 8), torch.randn(11, 8)
+    with pytest.raises(ValueError, match=r"labels\[0\] = 11: expected a class in \[0, 11\)"):
+        mmfuse.linear_cross_entropy(big_h, big_w, torch.full((64,), 11))
     h, w = torch.randn(4, 8), torch.randn(11, 8)
     with pytest.raises(ValueError, match=r"labels: expected int64 \[4\]"):
         mmfuse.linear_cross_entropy(h, w, torch.zeros(3, dtype=torch.long))
