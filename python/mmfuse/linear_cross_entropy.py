@@ -150,13 +150,15 @@ def _check(hidden, weight, labels, bias, reduction, label_smoothing, z_loss, sof
         raise ValueError(f"{op}: weight: expected dtype {hidden.dtype} (that of hidden), got {weight.dtype}")
     if labels.dim() != 1 or labels.shape[0] != hidden.shape[0] or labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{op}: labels: expected int64 [{hidden.shape[0]}], got {labels.dtype} {tuple(labels.shape)}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{op}: logit_softcap: expected a positive cap or None, got {softcap}")
     if bias is not None and (bias.dtype != hidden.dtype or tuple(bias.shape) != (weight.shape[0],)):
         raise ValueError(f"{op}: bias: expected {hidden.dtype} [{weight.shape[0]}], got {bias.dtype} {tuple(bias.shape)}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{op}: reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
-    if not 0 <= label_smoothing < 1 or z_loss < 0 or softcap < 0 or chunk < 1:
-        raise ValueError(f"{op}: expected 0 <= label_smoothing < 1, z_loss >= 0, logit_softcap > 0 or None and "
-                         f"chunk_tokens >= 1, got {label_smoothing}, {z_loss}, {softcap}, {chunk}")
+    if not 0 <= label_smoothing < 1 or z_loss < 0 or chunk < 1:
+        raise ValueError(f"{op}: expected 0 <= label_smoothing < 1, z_loss >= 0 and chunk_tokens >= 1, got "
+                         f"{label_smoothing}, {z_loss}, {chunk}")
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
@@ -169,10 +171,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: O
     Args:
         hidden: ``[T, H]`` (or ``[..., H]``, flattened) bf16, fp16, fp32 (fp64 on the CPU).
         weight: ``[V, H]``, hidden's dtype (an LM head: ``lm_head.weight``).
-        labels: ``[T]`` int64 (or hidden's leading shape); ``ignore_index`` entries add no loss and no
-            gradient.
+        labels: int64 / int32 of hidden's leading shape (or, for a hidden ``[..., H]`` of more dims, its
+            tokens flattened); ``ignore_index`` entries add no loss and no gradient.
         bias: ``[V]`` or None.
-        reduction: ``"mean"`` (over the tokens not ignored), ``"sum"`` or ``"none"`` (per token, fp32).
+        reduction: ``"mean"`` (over the tokens not ignored; 0 with zero gradients where every token is
+            ignored or there is none, where PyTorch's is NaN: 0 / 0), ``"sum"`` or ``"none"`` (per
+            token, fp32).
         label_smoothing: as ``F.cross_entropy``'s.
         z_loss: adds ``z_loss * logsumexp(logits)^2`` a token (PaLM's auxiliary loss).
         logit_softcap: ``softcap * tanh(logits / softcap)`` before the softmax (Gemma 2), or None.
@@ -194,10 +198,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: O
         weight and bias.
     """
     lead = hidden.shape[:-1]
-    h2 = hidden.reshape(-1, hidden.shape[-1])
+    if tuple(labels.shape) != tuple(lead) and not (labels.dim() == 1 and hidden.dim() > 2):
+        raise ValueError(f"mmfuse.linear_cross_entropy: labels: expected hidden's leading shape {tuple(lead)} (or "
+                         f"its tokens flattened), got {tuple(labels.shape)}")
+    h2 = hidden.reshape(-1, hidden.shape[-1]) if hidden.dim() else hidden
     y2 = labels.reshape(-1)
+    _check(h2, weight, y2, bias, reduction, label_smoothing, z_loss, logit_softcap, chunk_tokens)
     softcap = float(logit_softcap) if logit_softcap is not None else 0.0
-    _check(h2, weight, y2, bias, reduction, label_smoothing, z_loss, softcap, chunk_tokens)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if logits_dtype not in (None, torch.float32, hidden.dtype):
         raise ValueError(f"mmfuse.linear_cross_entropy: logits_dtype: expected torch.float32 or hidden's dtype "

@@ -176,14 +176,38 @@ def test_cuda_matches_cpu(path, V):
     torch.testing.assert_close(wg.grad.cpu(), wc.grad, rtol=2e-2, atol=1e-5)
 
 
+@pytest.mark.parametrize("labels", [torch.full((5,), -100), torch.zeros(0, dtype=torch.long)])
+def test_mean_over_no_token_is_zero_with_zero_gradients(labels):
+    # the stated rule where PyTorch's mean is 0 / 0 (NaN): every token ignored, or no token
+    h = torch.randn(labels.shape[0], 8).requires_grad_()
+    w = torch.randn(11, 8).requires_grad_()
+    loss = mmfuse.linear_cross_entropy(h, w, labels)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.count_nonzero(h.grad) == 0 and torch.count_nonzero(w.grad) == 0
+
+
 def test_bad_input():
     # every label bad, rows spread over the CPU's threads: the first one is named (no crash)
     big_h, big_w = torch.randn(64, 8), torch.randn(11, 8)
     with pytest.raises(ValueError, match=r"labels\[0\] = 11: expected a class in \[0, 11\)"):
         mmfuse.linear_cross_entropy(big_h, big_w, torch.full((64,), 11))
     h, w = torch.randn(4, 8), torch.randn(11, 8)
-    with pytest.raises(ValueError, match=r"labels: expected int64 \[4\]"):
+    with pytest.raises(ValueError, match=r"labels: expected hidden's leading shape \(4,\) \(or its tokens "
+                                         r"flattened\), got \(3,\)"):
         mmfuse.linear_cross_entropy(h, w, torch.zeros(3, dtype=torch.long))
+    # the same number of labels in another shape: refused (a [B, L] against a [L, B, H] would pass by count)
+    with pytest.raises(ValueError, match=r"labels: expected hidden's leading shape \(4,\).*got \(2, 2\)"):
+        mmfuse.linear_cross_entropy(h, w, torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"labels: expected hidden's leading shape \(2, 2\).*got \(4, 1\)"):
+        mmfuse.linear_cross_entropy(h.view(2, 2, 8), w, torch.zeros(4, 1, dtype=torch.long))
+    flat = mmfuse.linear_cross_entropy(h.view(2, 2, 8), w, torch.arange(4))  # [B, L, H] with [B * L] labels
+    assert torch.equal(flat, mmfuse.linear_cross_entropy(h, w, torch.arange(4)))
+    with pytest.raises(ValueError, match="labels: expected int64 \\[4\\], got torch.float32"):
+        mmfuse.linear_cross_entropy(h, w, torch.zeros(4))
+    for cap in (0.0, -3.0):
+        with pytest.raises(ValueError, match=f"logit_softcap: expected a positive cap or None, got {cap}"):
+            mmfuse.linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), logit_softcap=cap)
     with pytest.raises(ValueError, match="weight: expected dtype torch.float32"):
         mmfuse.linear_cross_entropy(h, w.double(), torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="logits_dtype: expected torch.float32 or hidden's dtype torch.float32"):
