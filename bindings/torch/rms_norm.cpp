@@ -45,10 +45,10 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_impl(const Tensor& x_in, const OptTe
 }
 
 std::tuple<Tensor, Tensor, Tensor> rms_norm_backward_impl(const Tensor& dout_in, const OptTensor& dh_in,
-                                                          const Tensor& h, const Tensor& rstd, const Tensor& weight,
+                                                          const Tensor& h_in, const Tensor& rstd, const Tensor& weight,
                                                           int64_t seq_len, int64_t split, bool x_grouped,
                                                           bool out_grouped) {
-  const Tensor dout = kernel_ready(dout_in);
+  const Tensor dout = kernel_ready(dout_in), h = kernel_ready(h_in);  // h: the forward's x, as the caller had it
   const OptTensor dh = dh_in.has_value() ? OptTensor(kernel_ready(*dh_in)) : std::nullopt;
   const int64_t T = rows_of(h), H = cols_of(h);
   Tensor dx = at::empty({T, H}, h.options());

@@ -61,11 +61,15 @@ inline cudaStream_t current_stream(const at::Tensor& t) {
   return nullptr;
 }
 
-// t itself when its last dim is contiguous, else a contiguous copy: for gradients from autograd,
-// which can be expanded (stride 0) or otherwise strided in the last dim that the kernels need
-// contiguous.
+// A read-only input as the kernels read it: t itself when its last dim is contiguous and its rows do
+// not overlap, else a contiguous copy. Gradients from autograd and callers' inputs can be expanded
+// (stride 0) or strided in the last dim; an output or an in-place operand never goes through here.
 inline at::Tensor kernel_ready(const at::Tensor& t) {
-  return t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t;
+  if (t.dim() == 0) return t;
+  if (t.size(-1) > 1 && t.stride(-1) != 1) return t.contiguous();
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    if (t.size(d) > 1 && t.stride(d) < t.size(-1)) return t.contiguous();  // rows that overlap (expanded)
+  return t;
 }
 
 // Runs fn, turning mmfuse::Error into c10::ValueError (Python ValueError) with the core's message.

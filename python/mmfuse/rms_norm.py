@@ -8,6 +8,7 @@ is kept), and sums the weight gradient in a fixed order (the same bits on every 
 ``include/mmfuse/rms_norm.h``.
 """
 
+import math
 from typing import Optional, Tuple, Union
 
 import torch
@@ -41,9 +42,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Optional[Te
 
     Differentiable in x, residual and weight.
     """
+    if x.dim() == 0:
+        raise ValueError("mmfuse.rms_norm: x: expected [..., H], got a 0-d tensor")
     H = x.shape[-1]
-    x2 = x.reshape(-1, H)
-    r2 = residual.reshape(-1, H) if residual is not None else None
+    x2 = x.reshape(math.prod(x.shape[:-1]), H)
+    # a residual of x's shape flattened as x; another reaches the op as it is (its error names the shape)
+    r2 = residual.reshape(x2.shape) if residual is not None and residual.shape == x.shape else residual
     seq_len, split = grouping if grouping is not None else (0, 0)
     out, h, _ = torch.ops.mmfuse.rms_norm(x2, r2, weight, float(eps), int(seq_len), int(split), x_grouped, out_grouped)
     out = out.view(x.shape)

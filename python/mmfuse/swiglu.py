@@ -3,6 +3,7 @@ one GEMM against the stacked ``[gate; up]`` weights), fp32 math rounded once, an
 recomputes the activation instead of storing it. Contract: ``include/mmfuse/swiglu.h``.
 """
 
+import math
 from typing import Tuple
 
 import torch
@@ -21,8 +22,10 @@ def swiglu(gate_up: Tensor) -> Tensor:
     Returns:
         ``[..., I]`` in gate_up's dtype. Differentiable; the backward saves only ``gate_up``.
     """
+    if gate_up.dim() == 0:
+        raise ValueError("mmfuse.swiglu: gate_up: expected [..., 2I], got a 0-d tensor")
     shape = gate_up.shape
-    y = torch.ops.mmfuse.swiglu(gate_up.reshape(-1, shape[-1]))
+    y = torch.ops.mmfuse.swiglu(gate_up.reshape(math.prod(shape[:-1]), shape[-1]))
     return y.view(*shape[:-1], shape[-1] // 2)
 
 

@@ -4,6 +4,7 @@ opcheck, torch.compile, CUDA graphs with no host sync, CUDA against the CPU; bad
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import mmfuse
 
@@ -168,6 +169,26 @@ def test_bad_input(device):
         mmfuse.rms_norm(x, w, grouping=(3, 1), out_grouped=True)
     with pytest.raises(ValueError, match="eps: expected a finite value >= 0, got nan"):
         mmfuse.rms_norm(x, w, float("nan"))
+    with pytest.raises(ValueError, match=r"x: expected \[..., H\], got a 0-d tensor"):
+        mmfuse.rms_norm(x[0, 0], w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expanded_inputs_read_as_given(device):
+    # a broadcast x or residual (stride-0 rows) is read, not refused; gradients flow back through the expand
+    g = torch.Generator().manual_seed(4)
+    row, res_row = (torch.randn(1, 24, generator=g).to(device).requires_grad_() for _ in range(2))
+    w = torch.randn(24, generator=g).to(device)
+    out, h = mmfuse.rms_norm(row.expand(5, 24), w, 1e-6, res_row.expand(5, 24))
+    (out.square().sum() + h.sum()).backward()
+    row2, res2 = row.detach().clone().requires_grad_(), res_row.detach().clone().requires_grad_()
+    h2 = row2.expand(5, 24) + res2.expand(5, 24)
+    out2 = F.rms_norm(h2, (24,), w, 1e-6)
+    (out2.square().sum() + h2.sum()).backward()
+    torch.testing.assert_close(out, out2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(row.grad, row2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(res_row.grad, res2.grad, rtol=1e-5, atol=1e-5)
+    assert mmfuse.rms_norm(torch.ones(3, 0, device=device), w[:0]).shape == (3, 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -138,6 +138,24 @@ def test_bad_input(device):
         mmfuse.swiglu(torch.randn(3, 5, device=device))
     with pytest.raises(ValueError, match=r"dy: expected shape \[3, 4\], got \[3, 5\]"):
         torch.ops.mmfuse.swiglu_backward(torch.randn(3, 5, device=device), torch.randn(3, 8, device=device), True)
+    with pytest.raises(ValueError, match=r"gate_up: expected \[..., 2I\], got a 0-d tensor"):
+        mmfuse.swiglu(torch.tensor(1.0, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expanded_and_empty_inputs(device):
+    # a broadcast gate_up (stride-0 rows) is read, not refused; the gradient flows back through the expand
+    row = torch.randn(1, 16, generator=torch.Generator().manual_seed(6)).to(device).requires_grad_()
+    y = mmfuse.swiglu(row.expand(4, 16))
+    y.square().sum().backward()
+    row2 = row.detach().clone().requires_grad_()
+    e = row2.expand(4, 16)
+    y2 = F.silu(e[:, :8]) * e[:, 8:]
+    y2.square().sum().backward()
+    torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(row.grad, row2.grad, rtol=1e-5, atol=1e-6)
+    assert mmfuse.swiglu(torch.ones(3, 0, device=device)).shape == (3, 0)
+    assert mmfuse.swiglu(torch.ones(2, 0, 6, device=device)).shape == (2, 0, 3)
 
 
 @pytest.mark.parametrize("device", DEVICES)
