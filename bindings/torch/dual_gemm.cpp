@@ -55,8 +55,10 @@ void dual_gemm_out_cpu(const Tensor& a0, const Tensor& w0, const Tensor& a1, con
   gemm_aten(a1, w1, out1, trans_a, trans_b, accumulate);
 }
 
-void dual_gemm_out_impl(const Tensor& a0, const Tensor& w0, const Tensor& a1, const Tensor& w1, const Tensor& out0,
-                        const Tensor& out1, bool trans_a, bool trans_b, bool accumulate) {
+void dual_gemm_out_impl(const Tensor& a0_in, const Tensor& w0_in, const Tensor& a1_in, const Tensor& w1_in,
+                        const Tensor& out0, const Tensor& out1, bool trans_a, bool trans_b, bool accumulate) {
+  // the operands as a caller has them (views of any strides): a dense copy where the kernels cannot read one
+  const Tensor a0 = kernel_ready(a0_in), w0 = kernel_ready(w0_in), a1 = kernel_ready(a1_in), w1 = kernel_ready(w1_in);
   if (!a0.is_cuda()) return dual_gemm_out_cpu(a0, w0, a1, w1, out0, out1, trans_a, trans_b, accumulate);
   Tensor ws = at::empty({dual_gemm_workspace_bytes()}, a0.options().dtype(at::kByte));
   guarded("dual_gemm", [&] {

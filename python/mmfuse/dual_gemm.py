@@ -22,7 +22,8 @@ def dual_gemm(a0: Tensor, w0: Tensor, a1: Tensor, w1: Tensor, trans_a: bool = Fa
             (0 included: an expert with no tokens).
         w0, w1: ``[k_e, n_e]``, or ``[n_e, k_e]`` with ``trans_b`` (the ``nn.Linear`` layout).
             All four bf16 or fp16 (fp32, and fp64 on the CPU, take a correct slower path), one dtype;
-            last dims contiguous.
+            any strides (an operand whose last dim is not contiguous, or whose rows overlap, is read
+            from a dense copy: pass the layout with ``trans_a`` / ``trans_b`` to avoid it).
         out_dtype: None (the inputs' dtype) or ``torch.float32``.
 
     Returns:

@@ -332,3 +332,28 @@ def test_outputs_that_overlap_are_an_error(device):
     big = torch.empty(12, 4, device=device)
     mmfuse.dual_gemm_out(a, w, a, w, big[:6], big[6:])  # two halves of one buffer are separate
     assert torch.equal(big[:6], big[6:]) and torch.allclose(big[:6], a @ w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_operands_as_views(device):
+    # views a caller has (a transposed or column-strided tensor, a broadcast row): the dense result, and
+    # gradients to the views' bases
+    g = torch.Generator().manual_seed(12)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    base_a = torch.randn(16, 40, generator=g).to(device, dt)
+    base_w = torch.randn(24, 32, generator=g).to(device, dt)
+    row = torch.randn(1, 16, generator=g).to(device, dt)
+    cases = [(base_a.t(), base_w[:, ::2]),                 # [40, 16] transposed, [24, 16] strided columns
+             (row.expand(7, 16), base_w.t()[:16].t()[:5])]  # broadcast rows; a [5, 16] view with row stride 1
+    for a, w in cases:
+        a_, w_ = a.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        o0, o1 = mmfuse.dual_gemm(a_, w_, a_[:3], w_, False, True)
+        d0, d1 = a.contiguous() @ w.contiguous().t(), a[:3].contiguous() @ w.contiguous().t()
+        tol = dict(rtol=2e-2, atol=2e-2) if dt == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o0, d0, **tol)
+        torch.testing.assert_close(o1, d1, **tol)
+        (o0.float().sum() + o1.float().sum()).backward()
+        assert a_.grad is not None and w_.grad is not None
+        ga = torch.ones_like(d0) @ w.contiguous()
+        ga[:3] += torch.ones_like(d1) @ w.contiguous()
+        torch.testing.assert_close(a_.grad, ga, **tol)
