@@ -304,3 +304,29 @@ def test_fp8_model_tracks_the_reference_on_the_cpu(grad_dtype):
     got.square().mean().backward()
     assert all(g is not None and torch.isfinite(g).all() for g in ours.reference_grads().values())
     assert len([s for m in ours.modules() if hasattr(m, "fp8_delayed_states") for s in m.fp8_delayed_states()]) > 0
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cast_keeps_the_fp32_buffers(fp8):
+    # model.to(torch.bfloat16) (or .half(), .double()), as users cast a model: the rotary inv_freq and the
+    # fp8 scaling states stay float32 (the ops read them in fp32 only); the cast model equals one built in bf16
+    cfg = preset("tiny")
+    data = make_batch(cfg, 2, 48, 12, "cpu", torch.bfloat16, seed=0)
+    built = VLADecoder(cfg, fp8=fp8, dtype=torch.bfloat16)
+    init_weights(built)
+    cast = VLADecoder(cfg, fp8=fp8).to(torch.bfloat16)
+    cast.load_state_dict(built.state_dict())
+    for m in (cast, cast.half().bfloat16(), VLADecoder(cfg, fp8=fp8).double()):
+        kept = {n: b.dtype for n, b in m.named_buffers() if n.endswith(("inv_freq", "_state"))}
+        assert kept and set(kept.values()) == {torch.float32}, kept
+    assert torch.equal(cast(data.embeds, data.positions, data.action),
+                       built(data.embeds, data.positions, data.action))
+
+
+def test_fp8_linear_cast_keeps_its_states():
+    from mmfuse.nn import Fp8Linear
+
+    lin = Fp8Linear(32, 48).to(torch.bfloat16)
+    assert lin.weight.dtype == torch.bfloat16
+    assert {b.dtype for b in lin.buffers()} == {torch.float32}
+    assert lin(torch.randn(16, 32).bfloat16()).dtype == torch.bfloat16

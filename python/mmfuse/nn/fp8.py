@@ -7,11 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import fp8 as _fp8
+from .fp32_buffers import Fp32Buffers
 
 Tensor = torch.Tensor
 
 
-class Fp8Linear(torch.nn.Linear):
+class Fp8Linear(Fp32Buffers, torch.nn.Linear):
     r"""``y = x @ weight^T + bias`` with the GEMMs in fp8 (:func:`mmfuse.fp8.fp8_linear`).
 
     Same parameters, ``state_dict`` and constructor as ``nn.Linear``, plus:
@@ -40,6 +41,8 @@ class Fp8Linear(torch.nn.Linear):
 
     The scale states are buffers (not in the ``state_dict``): ``x_state``, ``w_state``, ``g_state``.
     """
+
+    _fp32_suffixes = ("_state",)  # the scaling states stay float32 when the module is cast
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  scaling: Optional[str] = None, recipe: str = "tensor", history: int = _fp8.DEFAULT_HISTORY,

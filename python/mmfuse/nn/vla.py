@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .. import fp8 as _fp8
 from ..rms_norm import rms_norm
 from ..swiglu import swiglu, swiglu_backward, swiglu_backward_
+from .fp32_buffers import Fp32Buffers
 from .fp8 import Fp8Linear
 
 
@@ -182,7 +183,7 @@ class _Fp8ExpertFn(torch.autograd.Function):
         return dx, dgu, ddown if need_ddn else None, None, None, None
 
 
-class MoTExperts(nn.Module):
+class MoTExperts(Fp32Buffers, nn.Module):
     """Two SwiGLU experts over one grouped token block: rows ``[0, m0)`` go through expert 0 (hidden ->
     inter0 -> hidden), the rest through expert 1. Weights in ``nn.Linear`` layout, gate and up stacked:
     ``gate_up_e [2 * inter_e, hidden]`` = ``[gate_e; up_e]``, ``down_e [hidden, inter_e]``.
@@ -193,6 +194,8 @@ class MoTExperts(nn.Module):
     backward, the gate/up output saved packed in fp8: :func:`mmfuse.swiglu.swiglu_pack_fp8`); the other
     stays bf16. The states are buffers (``fp8_delayed_states`` lists the delayed ones for
     :func:`mmfuse.nn.reduce_amax_histories`)."""
+
+    _fp32_suffixes = ("_state",)  # the fp8 scaling states stay float32 when the module is cast
 
     def __init__(self, hidden: int, intermediate_sizes: Sequence[int], *, fp8: bool = False,
                  history: int = _fp8.DEFAULT_HISTORY, grad_dtype: torch.dtype = _fp8.E5M2, scaling: str = "delayed",
@@ -285,7 +288,7 @@ class VLADecoderLayer(nn.Module):
         return self.experts(normed, B * split), h
 
 
-class VLADecoder(nn.Module):
+class VLADecoder(Fp32Buffers, nn.Module):
     """The decoder stack on mmfuse; forward(embeds [B, L, hidden], positions [3, B, L], action) ->
     [B, L, hidden], the last ``action`` tokens of each sample going through the action expert.
     ``fp8=True``: the q/k/v and o projections and the experts in fp8 where it pays (delayed scaling;
@@ -293,6 +296,8 @@ class VLADecoder(nn.Module):
     ``fp8_grad_dtype``: the output gradients' fp8 format (e5m2 by default, or e4m3: finer, less range);
     ``fp8_scaling``: ``"delayed"`` (default: the scale from the amax history, one pass a tensor) or
     ``"dynamic"`` (each tensor's own amax, one more read of it)."""
+
+    _fp32_suffixes = ("inv_freq",)  # rotary frequencies stay float32 (angles never in low precision)
 
     def __init__(self, cfg, *, fp8: bool = False, fp8_grad_dtype: torch.dtype = _fp8.E5M2, fp8_scaling: str = "delayed",
                  device=None, dtype=None):
