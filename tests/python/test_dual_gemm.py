@@ -249,6 +249,9 @@ def test_dual_expert_mlp_mixed_sequence(device):
     torch.testing.assert_close(mod(x, token_type), want)
     m0 = int((token_type == 0).sum())
     torch.testing.assert_close(mod(x, token_type, num_tokens0=m0), want)
+    torch.testing.assert_close(mod(x, token_type.bool()), want)  # an "is action" mask
+    with pytest.raises(ValueError, match="token_type: expected int32, int64 or bool, got torch.float32"):
+        mod(x, token_type.float())
     # bf16 on the device, gradients included
     modb = mmfuse.nn.DualExpertMLP((32, 32), (48, 24), device=device, dtype=torch.bfloat16)
     with torch.no_grad():

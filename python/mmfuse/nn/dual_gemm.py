@@ -119,8 +119,8 @@ class DualExpertMLP(torch.nn.Module):
 
         Args:
             x: ``[T, H]`` (or ``[..., H]``), ``H = hidden_0 = hidden_1``.
-            token_type: ``[T]`` (or x's leading shape), int32 / int64, 0 (vision-language) or 1 (action).
-                Any other value is an error (raised by :func:`mmfuse.moe_permute`).
+            token_type: ``[T]`` (or x's leading shape), int32 / int64, 0 (vision-language) or 1 (action),
+                or bool (True: action). Any other value is an error (raised by :func:`mmfuse.moe_permute`).
             num_tokens0: the number of type-0 tokens when the caller knows it (a VLA's prefix length):
                 no host sync, checked on the device (``torch._assert_async``). None: read from the
                 routing counts, one device-to-host sync.
@@ -135,6 +135,10 @@ class DualExpertMLP(torch.nn.Module):
         if token_type.shape != x.shape[:-1]:
             raise ValueError(f"DualExpertMLP.forward: token_type: expected shape {tuple(x.shape[:-1])} (x's "
                              f"leading dims), got {tuple(token_type.shape)}")
+        if token_type.dtype == torch.bool:  # an "is action" mask
+            token_type = token_type.to(torch.int32)
+        elif token_type.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"DualExpertMLP.forward: token_type: expected int32, int64 or bool, got {token_type.dtype}")
         flat = x.reshape(-1, x.shape[-1])
         p = moe_permute(flat, token_type.reshape(-1, 1), 2)
         if num_tokens0 is None:
