@@ -29,16 +29,6 @@ def _torch_chunked(h, w, y, chunk=1024):
     return total / n
 
 
-def _dh_per_chunk(a, b, c):
-    """mmfuse with d_hidden's GEMM a chunk at a time (the module's DH_PER_GROUP off): the dropped form."""
-    lce = importlib.import_module("mmfuse.linear_cross_entropy")
-    saved, lce.DH_PER_GROUP = lce.DH_PER_GROUP, False
-    try:
-        return mmfuse.linear_cross_entropy(a, b, c)
-    finally:
-        lce.DH_PER_GROUP = saved
-
-
 def _one_read(a, b, c):
     """mmfuse with the logits gradient's one-read kernel (MMFUSE_LCE_GRAD=cluster: each row's slices held
     in a thread-block cluster's shared memory) where the default runs the two-pass one."""
@@ -46,17 +36,18 @@ def _one_read(a, b, c):
         return mmfuse.linear_cross_entropy(a, b, c)
 
 
-def _dw_over(tokens: int, **kw):
-    """mmfuse with the weight gradient's GEMM taking `tokens` tokens' chunks at once (the module's
-    DW_GROUP_TOKENS): fewer passes over its fp32 accumulator for more logit gradients held."""
+def _with_setting(name: str, value):
+    """mmfuse with one of its module settings changed for the call (DW_GROUP_TOKENS: the weight gradient's
+    GEMM over that many tokens' chunks at once; DH_PER_GROUP False: d_hidden's GEMM a chunk at a time)."""
     lce = importlib.import_module("mmfuse.linear_cross_entropy")  # the package's name is the function
 
     def fn(a, b, c):
-        saved, lce.DW_GROUP_TOKENS = lce.DW_GROUP_TOKENS, tokens
+        saved = getattr(lce, name)
+        setattr(lce, name, value)
         try:
-            return mmfuse.linear_cross_entropy(a, b, c, **kw)
+            return mmfuse.linear_cross_entropy(a, b, c)
         finally:
-            lce.DW_GROUP_TOKENS = saved
+            setattr(lce, name, saved)
     return fn
 
 
@@ -117,10 +108,10 @@ def run(device: str, quick: bool = False) -> dict:
                 # the logits gradient read once (a cluster a row) against twice (the default, for now)
                 ("mmfuse, one-read logits gradient", _one_read),
                 # d_hidden's GEMM a chunk at a time (default: a group, with the weight gradient's)
-                ("mmfuse, d_hidden a chunk at a time", _dh_per_chunk),
+                ("mmfuse, d_hidden a chunk at a time", _with_setting("DH_PER_GROUP", False)),
                 # the weight gradient's accumulator passes (default: every 4096 tokens)
-                ("mmfuse, weight gradient every 2048 tokens", _dw_over(2048)),
-                ("mmfuse, weight gradient every 8192 tokens", _dw_over(8192)),
+                ("mmfuse, weight gradient every 2048 tokens", _with_setting("DW_GROUP_TOKENS", 2048)),
+                ("mmfuse, weight gradient every 8192 tokens", _with_setting("DW_GROUP_TOKENS", 8192)),
                 # the weight gradient accumulated in bf16 (as Liger-Kernel does): no fp32 [V, H] buffer
                 ("mmfuse, weight gradient in bf16",
                  lambda a, b, c: mmfuse.linear_cross_entropy(a, b, c, weight_grad_dtype=a.dtype)),
