@@ -219,11 +219,23 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: O
     return loss.view(lead) if reduction == "none" else loss
 
 
+def _check_labels_cpu(labels, V, ignore_index):
+    """Names the first bad label by its index in the call (the kernel sees one chunk at a time and would
+    name its row in the chunk). CPU only: on CUDA the kernel's device assertion stops the step, no sync."""
+    bad = ((labels < 0) | (labels >= V)) & (labels != ignore_index)
+    if bad.any():
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"mmfuse.linear_cross_entropy: labels[{i}] = {int(labels[i])}: expected a class in "
+                         f"[0, {V}) or ignore_index {ignore_index}")
+
+
 def _impl(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk,
           compute_grads, fp32_logits=True, dw_fp32=True):
     """(loss, d_hidden, d_weight, d_bias): for mean / sum with compute_grads, the gradients of the loss;
     else empty (with "none" the backward recomputes)."""
     need = reduction != "none" and compute_grads
+    if labels.device.type == "cpu":
+        _check_labels_cpu(labels, weight.shape[0], ignore_index)
     n_valid = (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
     scale = 1.0 / n_valid if reduction == "mean" else torch.ones((), device=hidden.device)
     with torch.no_grad():

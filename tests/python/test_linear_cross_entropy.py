@@ -192,6 +192,15 @@ def test_bad_input():
     big_h, big_w = torch.randn(64, 8), torch.randn(11, 8)
     with pytest.raises(ValueError, match=r"labels\[0\] = 11: expected a class in \[0, 11\)"):
         mmfuse.linear_cross_entropy(big_h, big_w, torch.full((64,), 11))
+    # a bad label in a later chunk: named by its index in the call, not in its chunk, with one prefix
+    ok = torch.zeros(64, dtype=torch.long)
+    ok[37] = -5
+    with pytest.raises(ValueError, match=r"^mmfuse.linear_cross_entropy: labels\[37\] = -5: expected a class"):
+        mmfuse.linear_cross_entropy(big_h, big_w, ok, chunk_tokens=8)
+    # the kernel op itself names its own row
+    with pytest.raises(ValueError, match=r"^mmfuse.linear_cross_entropy_logits_grad: labels\[5\] = -5: expected"):
+        torch.ops.mmfuse.linear_cross_entropy_logits_grad(torch.randn(8, 11), ok[32:40], torch.ones(8), -100, 0.0,
+                                                          0.0, 0.0, torch.float32, False)
     h, w = torch.randn(4, 8), torch.randn(11, 8)
     with pytest.raises(ValueError, match=r"labels: expected hidden's leading shape \(4,\) \(or its tokens "
                                          r"flattened\), got \(3,\)"):
