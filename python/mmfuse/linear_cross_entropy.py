@@ -28,10 +28,9 @@ _REDUCTIONS = ("mean", "sum", "none")
 # its fp32 [V, H] accumulator is read and written once a group, for the group's gradients held in
 # hidden's dtype (1.2 GB at 4096 tokens of a 151936 vocabulary)
 DW_GROUP_TOKENS = 4096
-# d_hidden's GEMM over a group's logit gradients at once (they are held for d_weight's anyway), not a
-# chunk at a time: [4096, V] @ [V, H] fills the GPU in whole waves where [1024, V] @ [V, H] (a few
-# dozen output tiles over a 151936-long K) does not
-DH_PER_GROUP = True
+# d_hidden's GEMM a chunk at a time, each right after its chunk's logit gradients are written; True:
+# over a group's at once (held for d_weight's anyway): 1.4 ms slower at T 16384, V 151936 (bench row)
+DH_PER_GROUP = False
 
 
 def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], fp32: bool) -> Tensor:

@@ -111,7 +111,7 @@ def test_weight_gradient_groups_agree(groups, monkeypatch):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_hidden_gradient_per_chunk_or_per_group_agree(bias, monkeypatch):
-    # d_hidden's GEMM over a group's logit gradients (default) or a chunk's (the bench's dropped row)
+    # d_hidden's GEMM a chunk at a time (default) or over a group's logit gradients (the bench's row)
     import importlib
 
     lce = importlib.import_module("mmfuse.linear_cross_entropy")
@@ -123,7 +123,7 @@ def test_hidden_gradient_per_chunk_or_per_group_agree(bias, monkeypatch):
     monkeypatch.setattr(lce, "DW_GROUP_TOKENS", 16)  # groups of four 4-token chunks, the last short
     inputs = (h, w) + ((b,) if bias else ())
     want = torch.autograd.grad(mmfuse.linear_cross_entropy(h, w, y, bias=b, chunk_tokens=4), inputs)
-    monkeypatch.setattr(lce, "DH_PER_GROUP", False)
+    monkeypatch.setattr(lce, "DH_PER_GROUP", not lce.DH_PER_GROUP)
     got = torch.autograd.grad(mmfuse.linear_cross_entropy(h, w, y, bias=b, chunk_tokens=4), inputs)
     for a, c in zip(got, want):
         torch.testing.assert_close(a, c, rtol=1e-2, atol=1e-4)

@@ -67,11 +67,11 @@ def _bound_us(h, w, it) -> float:
 
 
 def _chunked_gemms_us(h, w, it) -> float:
-    """mmfuse's GEMMs alone at its defaults: each 1024-token chunk's logits, then d_hidden and the weight
-    gradient (accumulated in fp32) once a 4096-token group (the accumulator's passes are the price of
-    never holding [T, V]): the floor of the chunked step."""
+    """mmfuse's GEMMs alone at its defaults: each 1024-token chunk's logits and d_hidden (a group's at
+    once where DH_PER_GROUP), the weight gradient (accumulated in fp32) once a 4096-token group (the
+    accumulator's passes are the price of never holding [T, V]): the floor of the chunked step."""
     lce = importlib.import_module("mmfuse.linear_cross_entropy")
-    chunk, group = 1024, lce.DW_GROUP_TOKENS
+    chunk, group, per_group = 1024, lce.DW_GROUP_TOKENS, lce.DH_PER_GROUP
     g = torch.empty(group, w.shape[0], device=h.device, dtype=h.dtype)
     dh, dw = torch.empty_like(h), torch.zeros(w.shape, device=h.device, dtype=torch.float32)
     empty = g[:0, :0]
@@ -81,7 +81,10 @@ def _chunked_gemms_us(h, w, it) -> float:
             for i in range(i0, i0 + group, chunk):
                 z = g[i - i0:i - i0 + chunk]  # stands in for the chunk's logits and their gradient
                 torch.mm(h[i:i + chunk], w.t(), out=z)
-            torch.mm(g, w, out=dh[i0:i0 + group])
+                if not per_group:
+                    torch.mm(z, w, out=dh[i:i + chunk])
+            if per_group:
+                torch.mm(g, w, out=dh[i0:i0 + group])
             torch.ops.mmfuse.dual_gemm_out(g, h[i0:i0 + group], empty, empty, dw, dw[:0, :0], True, False, True)
     us = time_us(gemms, "cuda", **it)[0]
     del g
@@ -107,8 +110,8 @@ def run(device: str, quick: bool = False) -> dict:
                  lambda a, b, c: mmfuse.linear_cross_entropy(a, b, c, logits_dtype=torch.float32)),
                 # the logits gradient read once (a cluster a row) against twice (the default, for now)
                 ("mmfuse, one-read logits gradient", _one_read),
-                # d_hidden's GEMM a chunk at a time (default: a group, with the weight gradient's)
-                ("mmfuse, d_hidden a chunk at a time", _with_setting("DH_PER_GROUP", False)),
+                # d_hidden's GEMM a group at a time, with the weight gradient's (default: a chunk at a time)
+                ("mmfuse, d_hidden a group at a time", _with_setting("DH_PER_GROUP", True)),
                 # the weight gradient's accumulator passes (default: every 4096 tokens)
                 ("mmfuse, weight gradient every 2048 tokens", _with_setting("DW_GROUP_TOKENS", 2048)),
                 ("mmfuse, weight gradient every 8192 tokens", _with_setting("DW_GROUP_TOKENS", 8192)),
