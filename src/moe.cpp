@@ -114,6 +114,34 @@ void moe_plan(const TensorView& idx, int64_t E, int64_t num_out, TensorView& map
   MMFUSE_CUDA_BACKEND(op, stream, detail::moe_plan_cuda(idx, E, n, map, counts, d2s, ws, stream));
 }
 
+int64_t moe_sort_plan_workspace_size(int64_t T, int64_t K) {
+#ifdef MMFUSE_WITH_CUDA
+  return std::max<int64_t>(1, detail::moe_sort_plan_workspace_cuda(T * K));
+#else
+  (void)T, (void)K;
+  return 1;
+#endif
+}
+
+void moe_sort_plan(const TensorView& idx, int64_t num_out, TensorView& map, TensorView& ws, cudaStream_t stream) {
+  const char* op = "moe_sort_plan";
+  MMFUSE_CHECK(idx.defined(), op, ": indices is missing");
+  const Device dev = idx.device;
+  check_2d(op, idx, "indices", -1, -1, dev);
+  MMFUSE_CHECK(idx.dtype == DType::kInt32 || idx.dtype == DType::kInt64, op,
+               ": indices: expected dtype int32 or int64, got ", dtype_name(idx.dtype));
+  const int64_t T = idx.shape[0], K = idx.shape[1];
+  MMFUSE_CHECK(T * K < (int64_t(1) << 31), op, ": T * K = ", T * K, ": expected below 2^31 (int32 row_id_map)");
+  const int64_t n = num_out == 0 ? T * K : num_out;
+  MMFUSE_CHECK(n >= 0 && n <= T * K, op, ": num_out_tokens: expected 0 (all) or in [0, T*K = ", T * K, "], got ",
+               num_out);
+  check_map(op, map, T, K, dev);
+  if (T * K == 0) return;
+  if (dev.type == DeviceType::kCPU) return detail::moe_sort_plan_cpu(idx, n, map);
+  check_workspace(op, ws, moe_sort_plan_workspace_size(T, K), dev);
+  MMFUSE_CUDA_BACKEND(op, stream, detail::moe_sort_plan_cuda(idx, n, map, ws, stream));
+}
+
 void moe_permute(const TensorView& x, const TensorView& map, TensorView& out, cudaStream_t stream) {
   const char* op = "moe_permute";
   MMFUSE_CHECK(x.defined(), op, ": x is missing");

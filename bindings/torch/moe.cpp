@@ -37,6 +37,20 @@ std::tuple<Tensor, Tensor, Tensor> moe_plan_impl(const Tensor& indices, int64_t 
   return {map, counts, d2s};
 }
 
+Tensor moe_sort_plan_impl(const Tensor& indices, int64_t num_out_tokens) {
+  const int64_t T = indices.dim() == 2 ? indices.size(0) : 0, K = indices.dim() == 2 ? indices.size(1) : 0;
+  Tensor map = at::empty({K, T}, indices.options().dtype(at::kInt));
+  // the sort's workspace is sized on the device (cub's query); the CPU backend needs none
+  Tensor ws = workspace(indices, indices.is_cuda() && T * K > 0 && T * K < (int64_t(1) << 31)
+                                     ? moe_sort_plan_workspace_size(T, K) : 0);
+  guarded("moe_sort_plan", [&] {
+    TensorView mv = view(map, "row_id_map"), wv = view(ws, "workspace");
+    c10::OptionalDeviceGuard g(indices.device());
+    moe_sort_plan(view(indices, "indices"), num_out_tokens, mv, wv, current_stream(indices));
+  });
+  return map;
+}
+
 Tensor moe_permute_impl(const Tensor& x_in, const Tensor& row_id_map, int64_t num_rows) {
   const Tensor x = kernel_ready(x_in);
   TORCH_CHECK_VALUE(num_rows >= 0, "mmfuse.moe_permute: num_rows: expected >= 0, got ", num_rows);
@@ -134,6 +148,7 @@ Tensor moe_unpermute_autograd(const Tensor& y, const Tensor& map, const OptTenso
 
 void register_moe(torch::Library& m) {
   m.impl("moe_plan", &moe_plan_impl);
+  m.impl("moe_sort_plan", &moe_sort_plan_impl);
   m.impl("moe_permute", &moe_permute_impl);
   m.impl("moe_unpermute", &moe_unpermute_impl);
   m.impl("moe_unpermute_backward", &moe_unpermute_backward_impl);

@@ -54,12 +54,14 @@ TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
 }
 
 // MoE token routing (python/mmfuse/moe.py), SEMANTICS.md section 5. moe_plan: (row_id_map int32 [K, T],
-// counts int64 [E], dst_to_src int32 [num_out]); moe_permute: x rows in routing order, num_rows of them
+// counts int64 [E], dst_to_src int32 [num_out]); moe_sort_plan: moe_plan's row_id_map without an expert
+// count (a radix sort of the ids); moe_permute: x rows in routing order, num_rows of them
 // (differentiable in x); moe_unpermute: the probability-weighted sum back per token (differentiable in
 // y and probs); moe_unpermute_backward: (dy, dprobs), dprobs [T, K] or [0] without compute_dprobs.
 TORCH_LIBRARY_FRAGMENT(mmfuse, m) {
   m.set_python_module("mmfuse.moe");
   m.def("moe_plan(Tensor indices, int num_experts, int num_out_tokens=0) -> (Tensor, Tensor, Tensor)");
+  m.def("moe_sort_plan(Tensor indices, int num_out_tokens=0) -> Tensor");
   m.def("moe_permute(Tensor x, Tensor row_id_map, SymInt num_rows) -> Tensor");
   m.def("moe_unpermute(Tensor y, Tensor row_id_map, Tensor? probs=None) -> Tensor");
   m.def("moe_unpermute_backward(Tensor dout, Tensor y, Tensor row_id_map, Tensor? probs=None, "

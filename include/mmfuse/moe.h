@@ -32,6 +32,16 @@ MMFUSE_API void moe_plan(const TensorView& indices, int64_t num_experts, int64_t
                          TensorView& row_id_map, TensorView& counts, TensorView& dst_to_src, TensorView& workspace,
                          cudaStream_t stream);
 
+// int32 elements of moe_sort_plan's CUDA workspace for T*K entries (the radix sort's keys and values,
+// in and out, and its scratch); the CPU backend needs none. Queries the current CUDA device.
+MMFUSE_API int64_t moe_sort_plan_workspace_size(int64_t tokens, int64_t topk);
+
+// moe_plan's row_id_map without an expert count (the seed API's permute has none): the same order
+// (ascending id, then flat index), on the GPU from a radix sort of the ids (no host sync). Ids may be
+// any value in [0, 2^31); a negative id or an int64 id past that is an error naming it, as in moe_plan.
+MMFUSE_API void moe_sort_plan(const TensorView& indices, int64_t num_out_tokens, TensorView& row_id_map,
+                              TensorView& workspace, cudaStream_t stream);
+
 // out [N, H]: out[row_id_map[k][t]] = x[t] for every kept (t, k); each x row is read once. Any
 // dtype (rows are copied as bytes: bf16, fp16, fp32, fp8 ...). A plan's map covers all its num_out
 // rows; rows of out no entry maps to are not written. The last dims contiguous.

@@ -103,44 +103,21 @@ def get_window_index(grid_thw: Tensor, spatial_merge_size: int, vit_merger_windo
     return w.window_index, w.cu_window_seqlens
 
 
-def _seed_row_id_map(indices: Tensor, num_out_tokens: int) -> Tensor:
-    """``moe_plan``'s ``row_id_map`` without an expert count: the rank of each ``(t, k)`` in a stable sort
-    of the flattened ids is its destination row (the same order as the counting sort: ascending id, then
-    ascending ``t * K + k``), -1 past the first ``num_out_tokens`` (0: all). No host sync; a negative id
-    stops the device with an assertion naming it (ids past the largest cannot occur: it defines the count)."""
-    T, K = indices.shape
-    flat = indices.reshape(-1)
-    n = num_out_tokens or flat.numel()
-    if not 0 <= n <= flat.numel():
-        raise ValueError(f"mmfuse.backend.permute: num_out_tokens: expected 0 (all) or in [0, T*K = "
-                         f"{flat.numel()}], got {num_out_tokens}")
-    ids, order = torch.sort(flat, stable=True)
-    torch._assert_async(ids[0] >= 0, "mmfuse.backend.permute: indices: expected expert ids >= 0, got a negative id")
-    rank = torch.empty(flat.shape, dtype=torch.int32, device=flat.device)
-    rank.scatter_(0, order, torch.arange(flat.numel(), dtype=torch.int32, device=flat.device))
-    if n < flat.numel():
-        rank.masked_fill_(rank >= n, -1)
-    return rank.view(T, K).t().contiguous()
-
-
 def permute(input: Tensor, indices: Tensor, num_out_tokens: int, workspace, max_expanded_token_num: int):
     """Seed ``permute``: returns ``(permuted, row_id_map, workspace)`` as the seed's kernel did, with the
     corrected semantics of :func:`mmfuse.moe_permute` (the same stable order, no default stream, no
     process-global cache). ``workspace`` is accepted and returned unchanged (mmfuse takes its scratch
     from PyTorch's caching allocator, per call, on the current stream); ``max_expanded_token_num`` is
     ignored (sizes come from ``indices``); ``num_out_tokens`` 0 keeps all.
-    The seed's signature has no expert count. On CUDA the order comes from a stable sort of the ids
-    (:func:`_seed_row_id_map`), not from ``indices.max() + 1``, which would cost a host sync; on the CPU
-    the count is read (no device to wait for) and the ids are checked as :func:`mmfuse.moe_permute`
-    checks them."""
+    The seed's signature has no expert count: the order comes from ``moe_sort_plan`` (a radix sort of
+    the ids on the GPU), not from ``indices.max() + 1``, which would cost a host sync. Ids may be any
+    value in ``[0, 2^31)``; a negative one is an error naming it."""
     del max_expanded_token_num
-    if (input.device.type == "cuda" and indices.device == input.device and indices.dim() == 2 and indices.numel()
-            and indices.dtype in (torch.int32, torch.int64)):
-        row_id_map = _seed_row_id_map(indices, num_out_tokens)
-        rows = torch.ops.mmfuse.moe_permute(input, row_id_map, num_out_tokens or indices.numel())
-        return rows, row_id_map, workspace
-    num_experts = int(indices.max()) + 1 if indices.numel() else 1
-    rows, row_id_map, _ = _moe.moe_permute(input, indices, num_experts, num_out_tokens)
+    if indices.device != input.device:
+        raise ValueError(f"mmfuse.backend.permute: indices: expected a tensor on {input.device} (that of input), "
+                         f"got {indices.device}")
+    row_id_map = torch.ops.mmfuse.moe_sort_plan(indices, num_out_tokens)
+    rows = torch.ops.mmfuse.moe_permute(input, row_id_map, num_out_tokens or indices.numel())
     return rows, row_id_map, workspace
 
 

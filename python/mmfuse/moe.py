@@ -67,6 +67,12 @@ def _moe_plan_fake(indices, num_experts, num_out_tokens=0):
             indices.new_empty((n,), dtype=torch.int32))
 
 
+@torch.library.register_fake("mmfuse::moe_sort_plan")
+def _moe_sort_plan_fake(indices, num_out_tokens=0):
+    T, K = indices.shape
+    return indices.new_empty((K, T), dtype=torch.int32)
+
+
 @torch.library.register_fake("mmfuse::moe_permute")
 def _moe_permute_fake(x, row_id_map, num_rows):
     return x.new_empty((num_rows, x.shape[1]))

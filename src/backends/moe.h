@@ -11,6 +11,7 @@ int64_t moe_plan_block_entries(int64_t tk, int64_t num_experts);
 
 void moe_plan_cpu(const TensorView& indices, int64_t E, int64_t num_out, TensorView& row_id_map, TensorView& counts,
                   TensorView& dst_to_src);
+void moe_sort_plan_cpu(const TensorView& indices, int64_t num_out, TensorView& row_id_map);
 void moe_permute_cpu(const TensorView& x, const TensorView& row_id_map, TensorView& out);
 void moe_unpermute_cpu(const TensorView& y, const TensorView& row_id_map, const TensorView& probs, TensorView& out);
 void moe_unpermute_backward_cpu(const TensorView& dout, const TensorView& y, const TensorView& row_id_map,
@@ -18,6 +19,9 @@ void moe_unpermute_backward_cpu(const TensorView& dout, const TensorView& y, con
 #ifdef MMFUSE_WITH_CUDA
 void moe_plan_cuda(const TensorView& indices, int64_t E, int64_t num_out, TensorView& row_id_map, TensorView& counts,
                    TensorView& dst_to_src, TensorView& workspace, cudaStream_t stream);
+int64_t moe_sort_plan_workspace_cuda(int64_t entries);
+void moe_sort_plan_cuda(const TensorView& indices, int64_t num_out, TensorView& row_id_map, TensorView& workspace,
+                        cudaStream_t stream);
 void moe_permute_cuda(const TensorView& x, const TensorView& row_id_map, TensorView& out, cudaStream_t stream);
 void moe_unpermute_cuda(const TensorView& y, const TensorView& row_id_map, const TensorView& probs, TensorView& out,
                         cudaStream_t stream);

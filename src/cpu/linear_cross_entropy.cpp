@@ -31,7 +31,8 @@ void linear_cross_entropy_logits_grad_cpu(const TensorView& z, const TensorView&
             for (int64_t j = 0; j < V; ++j) gr[j] = store_val<S>(0.0f);
           continue;
         }
-        MMFUSE_CHECK(y >= 0 && y < V, "labels[", r, "] = ", y, ": expected a class in [0, ", V,
+        MMFUSE_CHECK(y >= 0 && y < V, "linear_cross_entropy_logits_grad: labels[", r, "] = ", y,
+                     ": expected a class in [0, ", V,
                      ") or ignore_index ", p.ignore_index);
         float m = -std::numeric_limits<float>::infinity();
         bool nan = false;

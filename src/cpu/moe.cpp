@@ -1,6 +1,9 @@
 // CPU backend of the MoE routing: a counting sort for the plan (stable by construction), row copies
 // for permute, fp32 (fp64) accumulation in k order for unpermute and its backward.
+#include <algorithm>
+#include <climits>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "common/dispatch.h"
@@ -53,6 +56,24 @@ void moe_plan_cpu(const TensorView& idx, int64_t E, int64_t n, TensorView& map, 
       map_at(map, k, t) = kept ? int32_t(dst) : -1;
       if (kept) D[dst * d2s.stride[0]] = int32_t(t * K + k);
     }
+}
+
+void moe_sort_plan_cpu(const TensorView& idx, int64_t n, TensorView& map) {
+  const int64_t T = idx.shape[0], K = idx.shape[1];
+  std::vector<std::pair<int64_t, int32_t>> entries(size_t(T * K));  // (id, flat index t*K + k)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = index_at(idx, t, k);
+      MMFUSE_CHECK(e >= 0 && e <= INT32_MAX, "moe_sort_plan: indices[", t, "][", k, "] = ", e,
+                   ": expected an expert id in [0, 2^31)");
+      entries[size_t(t * K + k)] = {e, int32_t(t * K + k)};
+    }
+  // by id, then flat index (the pairs are unique): the counting sort's order, for any id range
+  std::sort(entries.begin(), entries.end());
+  for (int64_t r = 0; r < T * K; ++r) {
+    const int32_t i = entries[size_t(r)].second;
+    map_at(map, i % K, i / K) = r < n ? int32_t(r) : -1;
+  }
 }
 
 void moe_permute_cpu(const TensorView& x, const TensorView& map, TensorView& out) {

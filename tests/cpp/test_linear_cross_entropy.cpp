@@ -159,7 +159,7 @@ TEST(LinearCrossEntropyCpu, BadInputNamesTheProblem) {
   TensorView rv = host_view(rs.data(), DType::kFloat32, {3}), lv = host_view(loss.data(), DType::kFloat32, {3});
   TensorView gv = host_view(g.data(), DType::kBFloat16, {3, 4});
   expect_error([&] { linear_cross_entropy_logits_grad(zv, yv, rv, -100, 0, 0, 0, lv, gv, nullptr); },
-               "linear_cross_entropy: labels[1] = 5: expected a class in [0, 4) or ignore_index -100");
+               "linear_cross_entropy_logits_grad: labels[1] = 5: expected a class in [0, 4) or ignore_index -100");
   y[1] = 2;
   std::vector<double> zd(12);
   std::vector<bf16> zb(12);

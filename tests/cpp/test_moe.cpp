@@ -38,7 +38,42 @@ Plan plan(std::vector<int64_t> ids, int64_t T, int64_t K, int64_t E, int64_t num
   return p;
 }
 
+std::vector<int32_t> sort_plan(std::vector<int64_t> ids, int64_t T, int64_t K, int64_t num_out) {
+  std::vector<int32_t> map(K * T, -99);
+  TensorView iv = host_view(ids.data(), DType::kInt64, {T, K}), mv = host_view(map.data(), DType::kInt32, {K, T});
+  TensorView ws;
+  moe_sort_plan(iv, num_out, mv, ws, nullptr);
+  return map;
+}
+
 }  // namespace
+
+TEST(MoeCpu, SortPlanEqualsTheCountingPlan) {
+  std::mt19937_64 rng(test_seed());
+  for (int64_t K : {1, 2, 8})
+    for (int64_t E : {1, 5, 64, 4096})
+      for (int64_t T : {1, 37, 1001}) {
+        std::vector<int64_t> ids(T * K);
+        for (auto& e : ids) e = std::uniform_int_distribution<int64_t>(0, E - 1)(rng);  // repeats within a token
+        for (int64_t num_out : {int64_t(0), T * K / 2})
+          ASSERT_EQ(sort_plan(ids, T, K, num_out), plan(ids, T, K, E, num_out).map)
+              << "K " << K << " E " << E << " T " << T << " num_out " << num_out;
+      }
+  // ids past any expert count: the order is still ascending id, then t * K + k
+  EXPECT_EQ(sort_plan({2147483647, 7, 5000, 7, 0, 1 << 20}, 3, 2, 0), (std::vector<int32_t>{5, 3, 0, 1, 2, 4}));
+  EXPECT_EQ(sort_plan({2147483647, 7, 5000, 7, 0, 1 << 20}, 3, 2, 4), (std::vector<int32_t>{-1, 3, 0, 1, 2, -1}));
+  for (int64_t bad : {int64_t(-1), int64_t(1) << 31}) {
+    try {
+      sort_plan({0, 1, bad, 2}, 2, 2, 0);
+      FAIL() << "no error for id " << bad;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("moe_sort_plan: indices[1][0] = " + std::to_string(bad) +
+                                           ": expected an expert id in [0, 2^31)"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
 
 TEST(MoeCpu, PlanPermuteUnpermuteAgainstReference) {
   std::mt19937_64 rng(test_seed());
@@ -417,6 +452,48 @@ TEST_P(MoeCudaRows, RowsEqualCpu) {
       rows_equal_cpu<bf16>(rng, T, K, E, H, T * K * 3 / 4, 5, true, st.s);
       rows_equal_cpu<float>(rng, T, K, E, H, 0, 0, false, st.s);
     }
+}
+
+// The plan without an expert count (a radix sort of the ids) against the CPU counting plan: int32 and
+// int64 ids, transposed storage, dropping, and ids far past any expert count.
+TEST(MoeCuda, SortPlanEqualsCpu) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  std::mt19937_64 rng(test_seed());
+  Stream st;
+  int cases = 0;
+  for (int64_t K : {1, 2, 8})
+    for (int64_t E : {1, 8, 64, 256, 4096})
+      for (int64_t T : {1, 37, 3001, 70001}) {
+        if (K > E || (T > 5000 && K > 2 && E != 64)) continue;
+        std::vector<int64_t> ids = random_ids(rng, T, K, E);
+        const bool sparse = cases % 5 == 4;  // ids spread over [0, 2^31): the sort's every digit in use
+        if (sparse)
+          for (auto& e : ids) e = e * 524287 + (e % 3) * 1009;  // below 2^31 up to e = 4095
+        for (int64_t num_out : {int64_t(0), T * K * 3 / 4}) {
+          const std::vector<int32_t> want = sort_plan(ids, T, K, num_out);
+          if (!sparse) ASSERT_EQ(want, plan(ids, T, K, E, num_out).map);
+          const DType it = (cases % 2) ? DType::kInt32 : DType::kInt64;
+          const bool transposed = cases % 3 == 0;
+          std::vector<int64_t> stored(T * K);
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t k = 0; k < K; ++k) stored[transposed ? k * T + t : t * K + k] = ids[t * K + k];
+          std::vector<int32_t> stored32(stored.begin(), stored.end());
+          DeviceBuffer<int64_t> i64(stored);
+          DeviceBuffer<int32_t> i32(stored32), map(K * T), ws(moe_sort_plan_workspace_size(T, K));
+          map.poison();
+          ws.poison();
+          void* p = it == DType::kInt64 ? static_cast<void*>(i64.ptr) : static_cast<void*>(i32.ptr);
+          TensorView iv = transposed ? device_view(p, it, {T, K}, {1, T}) : device_view(p, it, {T, K});
+          TensorView mv = device_view(map.ptr, DType::kInt32, {K, T});
+          TensorView wv = device_view(ws.ptr, DType::kInt32, {int64_t(ws.n)});
+          moe_sort_plan(iv, num_out, mv, wv, st.s);
+          ASSERT_EQ(cudaStreamSynchronize(st.s), cudaSuccess);
+          ASSERT_EQ(map.download(), want) << "K " << K << " E " << E << " T " << T << " num_out " << num_out
+                                          << (sparse ? " sparse ids" : "");
+          ++cases;
+        }
+      }
+  EXPECT_GT(cases, 40);
 }
 
 TEST(MoeCuda, PermutesFp8RowsAndIsDeterministic) {

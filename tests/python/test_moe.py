@@ -382,26 +382,56 @@ def test_seed_permute_on_cuda_equals_native():
     assert torch.equal(rows, q.rows) and torch.equal(row_id_map, q.row_id_map)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T,K,E,n", [(1, 1, 1, 0), (37, 1, 3, 0), (300, 4, 37, 0), (300, 4, 37, 1000), (65, 8, 256, 7),
-                                     (64, 2, 5, 128)])
+                                     (64, 2, 5, 128), (1000, 8, 4096, 0)])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_seed_row_id_map_by_sort_equals_the_plan(T, K, E, n, dtype):
-    # the seed's expert-count-free order (a stable sort of the ids; the CUDA path) is the counting sort's
+def test_sort_plan_equals_the_plan(device, T, K, E, n, dtype):
+    # the expert-count-free order (the seed permute's: a radix sort of the ids) is the counting sort's
     g = torch.Generator().manual_seed(T * K + n)
-    idx = _indices(T, K, E, g).to(dtype)
+    idx = _indices(T, K, E, g).to(dtype).to(device)
     want = torch.ops.mmfuse.moe_plan(idx, E, n)[0]
-    got = backend._seed_row_id_map(idx, n)
+    got = torch.ops.mmfuse.moe_sort_plan(idx, n)
     assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, want)
-    idx = torch.randint(0, E, (T, K), generator=g, dtype=dtype)  # a token may repeat an expert: ties keep (t, k)
-    assert torch.equal(backend._seed_row_id_map(idx, n), torch.ops.mmfuse.moe_plan(idx, E, n)[0])
+    idx = torch.randint(0, E, (T, K), generator=g, dtype=dtype).to(device)  # repeats: ties keep (t, k) order
+    assert torch.equal(torch.ops.mmfuse.moe_sort_plan(idx, n), torch.ops.mmfuse.moe_plan(idx, E, n)[0])
+    # a strided (transposed) view of the ids, as a router's topk output can be
+    idx_t = idx.t().contiguous().t()
+    assert torch.equal(torch.ops.mmfuse.moe_sort_plan(idx_t, n), torch.ops.mmfuse.moe_plan(idx, E, n)[0])
 
 
-def test_seed_row_id_map_rejects_a_bad_num_out_tokens():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sort_plan_takes_ids_past_the_plans_expert_limit(device):
+    # no expert count, so no bound below 2^31: large and sparse ids keep the stable order
+    ids = torch.tensor([[2 ** 31 - 1, 7], [5000, 7], [0, 2 ** 20]], dtype=torch.int64, device=device)
+    want = torch.tensor([[5, 3, 0], [1, 2, 4]], dtype=torch.int32)  # [K, T]: 0, 7 (t 0), 7 (t 1), 5000, 2^20, 2^31-1
+    assert torch.equal(torch.ops.mmfuse.moe_sort_plan(ids, 0).cpu(), want)
+    assert torch.equal(torch.ops.mmfuse.moe_sort_plan(ids, 4).cpu(), torch.where(want < 4, want, -1))
+
+
+def test_sort_plan_rejects_bad_input():
     idx = torch.zeros(4, 2, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"num_out_tokens: expected 0 \(all\) or in \[0, T\*K = 8\], got 9"):
-        backend._seed_row_id_map(idx, 9)
-    with pytest.raises(RuntimeError, match="expected expert ids >= 0"):
-        backend._seed_row_id_map(torch.tensor([[0, -1]], dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match=r"mmfuse.moe_sort_plan: num_out_tokens: expected 0 \(all\) or in \[0, "
+                                         r"T\*K = 8\], got 9"):
+        torch.ops.mmfuse.moe_sort_plan(idx, 9)
+    with pytest.raises(ValueError, match=r"mmfuse.moe_sort_plan: indices\[0\]\[1\] = -1: expected an expert id "
+                                         r"in \[0, 2\^31\)"):
+        torch.ops.mmfuse.moe_sort_plan(torch.tensor([[0, -1]], dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match=r"indices\[1\]\[0\] = 2147483648: expected an expert id"):
+        torch.ops.mmfuse.moe_sort_plan(torch.tensor([[0], [2 ** 31]]), 0)
+    with pytest.raises(ValueError, match="indices: expected dtype int32 or int64, got float32"):
+        torch.ops.mmfuse.moe_sort_plan(torch.zeros(4, 2), 0)
+    with pytest.raises(ValueError, match=r"indices: expected shape \[N, H\], got \[8\]"):
+        torch.ops.mmfuse.moe_sort_plan(torch.zeros(8, dtype=torch.int32), 0)
+    assert torch.ops.mmfuse.moe_sort_plan(torch.zeros(0, 2, dtype=torch.int32), 0).shape == (2, 0)
+    with pytest.raises(ValueError, match="backend.permute: indices: expected a tensor on"):
+        backend.permute(torch.zeros(2, 4, device="meta"), torch.zeros(2, 1, dtype=torch.int32), 0, None, 0)
+
+
+def test_sort_plan_opcheck():
+    g = torch.Generator().manual_seed(3)
+    for n in (0, 5):
+        torch.library.opcheck(torch.ops.mmfuse.moe_sort_plan, (_indices(7, 2, 5, g), n))
 
 
 def test_seed_backend_functions():

@@ -124,7 +124,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (y < 0 || y >= V) {
     if (threadIdx.x == 0)
-      MMFUSE_DEVICE_FAIL("linear_cross_entropy: labels[%lld] = %lld: expected a class in [0, %lld) or ignore_index %lld",
+      MMFUSE_DEVICE_FAIL("linear_cross_entropy_logits_grad: labels[%lld] = %lld: expected a class in [0, %lld) "
+                         "or ignore_index %lld",
                          (long long)r, (long long)y, (long long)V, (long long)p.ignore_index);
     return;
   }
@@ -182,7 +183,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (y < 0 || y >= V) {
     if (rank == 0 && threadIdx.x == 0)
-      MMFUSE_DEVICE_FAIL("linear_cross_entropy: labels[%lld] = %lld: expected a class in [0, %lld) or ignore_index %lld",
+      MMFUSE_DEVICE_FAIL("linear_cross_entropy_logits_grad: labels[%lld] = %lld: expected a class in [0, %lld) "
+                         "or ignore_index %lld",
                          (long long)r, (long long)y, (long long)V, (long long)p.ignore_index);
     return;
   }
