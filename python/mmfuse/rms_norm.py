@@ -80,6 +80,9 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(h if writes_h else x, rstd, weight)
     ctx.params = (seq_len, split, x_grouped, out_grouped)
     ctx.has_residual = residual is not None
+    # an unused output (the new residual after the last layer, rstd always) passes None to the backward,
+    # not a zero-filled [T, H] gradient
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dh, _drstd):

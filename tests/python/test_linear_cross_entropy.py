@@ -227,3 +227,15 @@ def test_bad_input():
         mmfuse.linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), reduction="avg")
     with pytest.raises(ValueError, match=r"labels\[2\] = 11: expected a class in \[0, 11\) or ignore_index -100"):
         mmfuse.linear_cross_entropy(h.bfloat16(), w.bfloat16(), torch.tensor([0, 3, 11, -100]))
+
+
+def test_backward_makes_no_zero_filled_gradients(record_ops):
+    # the op's gradient outputs are used by no loss: no zero "gradient" the size of d_hidden or d_weight
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(40, 16, generator=g).requires_grad_()
+    w = torch.randn(30, 16, generator=g).requires_grad_()
+    loss = mmfuse.linear_cross_entropy(h, w, torch.randint(0, 30, (40,), generator=g))
+    with record_ops() as rec:
+        loss.backward()
+    assert rec.fills_of(40 * 16) == [], rec.ops
+    assert h.grad is not None and w.grad is not None

@@ -204,3 +204,21 @@ def test_non_finite_inputs_give_hfs_results(device):
     want, want_h = _hf(x, res, w, 1e-6)
     torch.testing.assert_close(out, want, equal_nan=True)
     torch.testing.assert_close(h, want_h, equal_nan=True)
+
+
+def test_unused_outputs_get_no_zero_filled_gradient(record_ops):
+    # the last layer's new residual (and rstd, always) unused: no [T, H] zero "gradient" made for it
+    g = torch.Generator().manual_seed(4)
+    T, H = 37, 64
+    x, r = (torch.randn(T, H, generator=g).requires_grad_() for _ in range(2))
+    w = torch.randn(H, generator=g).requires_grad_()
+    y, h, _ = torch.ops.mmfuse.rms_norm(x, r, w, 1e-6)
+    dy = torch.randn(T, H, generator=g)
+    with record_ops() as rec:
+        y.backward(dy)
+    assert rec.fills_of(T) == [], rec.ops
+    hs = (x + r).detach().double().requires_grad_()
+    ref = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + 1e-6) * w.detach().double()
+    (gh,) = torch.autograd.grad(ref, hs, dy.double())
+    torch.testing.assert_close(x.grad.double(), gh, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r.grad, x.grad)

@@ -69,3 +69,28 @@ def test_window_lengths_reads_a_tensor_once():
     cu[3] = 12  # changed in place: read again
     assert window_lengths(cu) == [4, 4, 4]
     assert window_lengths(torch.tensor([0, 3], dtype=torch.int32)) == [3]
+
+
+def test_backward_has_no_slice_gradients(record_ops):
+    # one split of q, k and v, not a slice a run: no zero-filled [S, H, D] gradient a run
+    from mmfuse.integrations.window_attention import sdpa_by_windows
+
+    g = torch.Generator().manual_seed(8)
+    lengths = [16, 16, 8, 16, 4, 4]  # four runs
+    S, H, D = sum(lengths), 2, 8
+    q, k, v = (torch.randn(S, H, D, generator=g).requires_grad_() for _ in range(3))
+    out = sdpa_by_windows(q, k, v, lengths, D ** -0.5)
+    with record_ops() as rec:
+        out.backward(torch.randn(S, H, D, generator=g))
+    assert rec.fills_of(S) == [] and not [n for n, _ in rec.ops if n == "slice_backward"], rec.ops
+    # the gradients equal attention window by window
+    dout = torch.randn(S, H, D, generator=g)
+    q.grad = k.grad = v.grad = None
+    sdpa_by_windows(q, k, v, lengths, D ** -0.5).backward(dout)
+    start, got = 0, [t.grad for t in (q, k, v)]
+    for n in lengths:
+        qs, ks, vs = (t.detach()[start:start + n].transpose(0, 1).requires_grad_() for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=D ** -0.5)
+        for a, b in zip(torch.autograd.grad(o, (qs, ks, vs), dout[start:start + n].transpose(0, 1)), got):
+            torch.testing.assert_close(b[start:start + n], a.transpose(0, 1))
+        start += n

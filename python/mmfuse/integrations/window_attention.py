@@ -57,16 +57,19 @@ def sdpa_by_windows(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], sca
                          f"{sum(lengths)}")
     if S == 0:
         return q.new_empty((0, H, D))
-    outs, start = [], 0
-    for n, count in window_runs(lengths):
-        end = start + n * count
+    runs = window_runs(lengths)
+    sizes = [n * count for n, count in runs]
+    # one split of each input (its backward: one cat), not a slice a run (each slice's backward writes a
+    # zero-filled [S, H, D] gradient and adds it up: three full passes a run)
+    qs, ks, vs = q.split(sizes), k.split(sizes), v.split(sizes)
+    outs = []
+    for (n, count), qr, kr, vr in zip(runs, qs, ks, vs):
 
         def windows(t):
-            return t[start:end].unflatten(0, (count, n)).transpose(1, 2)
+            return t.unflatten(0, (count, n)).transpose(1, 2)
 
-        o = F.scaled_dot_product_attention(windows(q), windows(k), windows(v), scale=scale)
+        o = F.scaled_dot_product_attention(windows(qr), windows(kr), windows(vr), scale=scale)
         outs.append(o.transpose(1, 2).reshape(n * count, H, D))
-        start = end
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
