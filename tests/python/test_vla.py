@@ -82,6 +82,33 @@ def test_backward_graph_has_no_whole_tensor_copies(fp8):
     assert not names & {"CopySlices", "AsStridedBackward0", "SliceBackward0"}, sorted(names)
 
 
+def test_compiled_backward_graph_has_no_whole_tensor_copies():
+    # traced, the q/k gradient is rotated in place in the graph's own buffer: the out-of-place form put
+    # a slice_scatter (a whole-tensor copy) a layer into the backward graph; the last norm's unused
+    # residual output gets no zero-filled gradient
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward = []
+
+    def keep(gm, _):
+        return gm.forward
+
+    def keep_backward(gm, _):
+        backward.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()  # no shapes marked dynamic by an earlier test's compile
+    cfg = preset("tiny", layers=2)
+    batch = make_batch(cfg, 2, 24, 5, "cpu", torch.float32, seed=6)
+    ours = VLADecoder(cfg, device="cpu", dtype=torch.float32)
+    fn = torch.compile(ours, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep_backward))
+    fn(batch.embeds, batch.positions, 5).square().sum().backward()
+    assert backward
+    targets = [str(n.target) for gm in backward for n in gm.graph.nodes if n.op == "call_function"]
+    assert not [t for t in targets if "slice_scatter" in t or "zeros" in t or "full" in t], targets
+    assert any("mrope_" in t or "auto_functionalized" in t for t in targets), targets
+
+
 def test_experts_backward_in_place_refuses_a_second_backward():
     # the backward turns the saved gate/up output into its gradient: a retained graph cannot run twice
     torch.manual_seed(0)

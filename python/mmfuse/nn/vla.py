@@ -86,6 +86,12 @@ class _RotateQKFn(torch.autograd.Function):
         positions, inv_freq = ctx.saved_tensors
         section, heads, kv, B, L = ctx.meta
         g = g.reshape(B, L, heads + 2 * kv, -1)  # the incoming gradient may have any strides
+        if torch.compiler.is_compiling():
+            # traced: in place on g, which is then the graph's own buffer (SDPA's gradients concatenated),
+            # rotated where it lies; out of place, the v part's copy became a whole-tensor slice_scatter
+            torch.ops.mmfuse.mrope_(g[:, :, :heads], g[:, :, heads:heads + kv], None, None, positions, inv_freq,
+                                    section, False, "fp32", True, False)
+            return g.view(B * L, -1), None, None, None, None, None, None, None
         d = torch.empty_like(g)
         torch.ops.mmfuse.mrope_out(g[:, :, :heads], g[:, :, heads:heads + kv], None, None, positions, inv_freq,
                                    section, False, "fp32", True, False, d[:, :, :heads], d[:, :, heads:heads + kv])
