@@ -12,7 +12,8 @@ plain alternative, in one run:
 - the host overhead of one eager ``mmfuse.mrope`` call (small tensors, so the host bounds it) against
   one ``torch.add``; rule: within 1.3x.
 
-Speedup = the alternative's time / the seed call's time."""
+Speedup = the alternative's time / the seed call's time; the calls compared are timed in turn, round
+after round (``time_us_interleaved``), so a drift of the card's clock falls on both."""
 
 import time
 
@@ -23,7 +24,7 @@ from .. import backend, moe
 from .. import fp8 as _fp8
 from ..dual_gemm import dual_gemm
 from ..rope import mrope
-from .common import Row, print_table, time_us
+from .common import Row, print_table, time_us_interleaved
 
 
 def _host_us(fn, n: int) -> float:
@@ -48,8 +49,8 @@ def _permute_rows(device, it):
     native_rows = moe.moe_permute(x, idx, E)[0]
     verdict = "exact" if torch.equal(seed_rows, native_rows) else "FAIL"
     nbytes = 2 * T * K * H * x.element_size()
-    t_n, s_n = time_us(lambda: moe.moe_permute(x, idx, E), device, **it)
-    t_s, s_s = time_us(lambda: backend.permute(x, idx, 0, None, 0), device, **it)
+    (t_n, s_n), (t_s, s_s) = time_us_interleaved(
+        [lambda: moe.moe_permute(x, idx, E), lambda: backend.permute(x, idx, 0, None, 0)], device, rounds=it["iters"])
     tag = f"permute T{T} K{K} E{E} H{H}"
     return [Row(f"{tag} native moe_permute", t_n, s_n, nbytes),
             Row(f"{tag} seed backend.permute", t_s, s_s, nbytes, t_n, "vs native", verdict)]
@@ -69,9 +70,9 @@ def _dual_gmm_rows(device, it):
         ok = all(torch.allclose(o.float(), a.float() @ w.float(), rtol=2e-2, atol=2e-2)  # outputs of unit size
                  for o, a, w in ((o0, a0, w0), (o1, a1, w1)))
         verdict = "close" if ok else "FAIL"
-        t_mm, s_mm = time_us(lambda: (torch.mm(a0, w0), torch.mm(a1, w1)), device, **it)
-        t_n, s_n = time_us(lambda: dual_gemm(a0, w0t, a1, w1t, trans_b=True), device, **it)
-        t_s, s_s = time_us(lambda: backend.asym_dual_gmm_separated(a0, a1, w0, w1), device, **it)
+        (t_mm, s_mm), (t_n, s_n), (t_s, s_s) = time_us_interleaved(
+            [lambda: (torch.mm(a0, w0), torch.mm(a1, w1)), lambda: dual_gemm(a0, w0t, a1, w1t, trans_b=True),
+             lambda: backend.asym_dual_gmm_separated(a0, a1, w0, w1)], device, rounds=it["iters"])
         tag = f"dual gmm {m0}x{k0}x{n0} + {m1}x{k1}x{n1}"
         rows += [Row(f"{tag} two torch.mm", t_mm, s_mm), Row(f"{tag} native dual_gemm", t_n, s_n, None, t_mm, "vs 2 mm"),
                  Row(f"{tag} seed asym_dual_gmm_separated", t_s, s_s, None, t_mm, "vs 2 mm", verdict)]
@@ -90,8 +91,8 @@ def _fp8_rows(device, it):
         got = _fp8.fp8_linear_forward(x, w, b)
         err = float((got.float() - want).norm() / want.norm())
         verdict = "close" if err < 0.1 else "FAIL"  # e4m3 operands: a few % of the output's norm
-        t_b, s_b = time_us(lambda: F.linear(x, w, b), device, **it)
-        t_s, s_s = time_us(lambda: _fp8.fp8_linear_forward(x, w, b), device, **it)
+        (t_b, s_b), (t_s, s_s) = time_us_interleaved(
+            [lambda: F.linear(x, w, b), lambda: _fp8.fp8_linear_forward(x, w, b)], device, rounds=it["iters"])
         path = "fp8" if device != "cuda" or _fp8.fp8_pays(M, N, K) else "bf16 fallback"  # the CPU emulates fp8
         tag = f"fp8_linear_forward {M}x{K}x{N}"
         rows += [Row(f"{tag} bf16 F.linear", t_b, s_b),
