@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import mmfuse
 
-from .common import path_override, time_us
+from .common import path_override, time_us, time_us_interleaved
 
 
 def _torch(h, w, y):
@@ -38,7 +38,7 @@ def _one_read(a, b, c):
 
 def _with_setting(name: str, value):
     """mmfuse with one of its module settings changed for the call (DW_GROUP_TOKENS: the weight gradient's
-    GEMM over that many tokens' chunks at once; DH_PER_GROUP False: d_hidden's GEMM a chunk at a time)."""
+    GEMM over that many tokens' chunks at once; DH_PER_GROUP True: d_hidden's GEMM a group at a time)."""
     lce = importlib.import_module("mmfuse.linear_cross_entropy")  # the package's name is the function
 
     def fn(a, b, c):
@@ -128,31 +128,36 @@ def run(device: str, quick: bool = False) -> dict:
         for name, us in (("bound: the three GEMMs alone", bound), ("the chunked GEMMs alone (mmfuse's)", chunked)):
             rows.append(dict(name=name, us=us, x_bound=us / bound, verified="n/a"))
             print(f"| {name:<34} | {us / 1e3:8.2f} ms | x bound {us / bound:5.2f} |", flush=True)
+    steps, variant_rows = [], []
     for name, fn in variants:
         hs, ws = h.detach().requires_grad_(), w.detach().requires_grad_()
 
-        def step():
-            hs.grad = ws.grad = None
+        def step(fn=fn, hs=hs, ws=ws):
             loss = fn(hs, ws, y)
             loss.backward()
+            hs.grad = ws.grad = None  # no variant holds its gradients while the others run
             return loss
 
         loss = float(step().detach())
         want = loss if want is None else want
         row = dict(name=name, loss=loss, verified="close" if abs(loss - want) <= 1e-2 * abs(want) else "FAIL")
         if device == "cuda":
-            row["us"] = time_us(step, device, **it)[0]
-            hs.grad = ws.grad = None
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
             step()
             torch.cuda.synchronize()
             row["peak_gib"] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
-            row["x_bound"] = row["us"] / bound
-            print(f"| {name:<34} | {row['us'] / 1e3:8.2f} ms | x bound {row['x_bound']:5.2f} | peak +{row['peak_gib']:6.2f} GiB"
-                  f" | loss {loss:.5f} | {row['verified']} |", flush=True)
         rows.append(row)
+        variant_rows.append(row)
+        steps.append(step)
+    if device == "cuda":
+        # every variant sampled in turn, round after round: a drift of the card's clock falls on all alike
+        for row, (us, spread) in zip(variant_rows, time_us_interleaved(steps, device, warmup=2, rounds=it["iters"])):
+            row.update(us=us, spread_us=spread, x_bound=us / bound)
+            print(f"| {row['name']:<34} | {us / 1e3:8.2f} ms | x bound {row['x_bound']:5.2f} | peak +"
+                  f"{row['peak_gib']:6.2f} GiB | loss {row['loss']:.5f} | {row['verified']} | spread "
+                  f"{spread / 1e3:.2f} ms |", flush=True)
     if device == "cuda":
         base = {r["name"]: r for r in rows}
         ours = rows[-1]
