@@ -64,6 +64,23 @@ void check_workspace(const char* op, const TensorView& ws, int64_t need, Device 
   check_device(op, ws, "workspace", dev);
 }
 
+// The plans' common arguments: indices [T, K] int32 / int64, num_out_tokens, row_id_map [K, T];
+// returns the rows kept.
+int64_t check_plan_args(const char* op, const TensorView& idx, int64_t num_out, const TensorView& map) {
+  MMFUSE_CHECK(idx.defined(), op, ": indices is missing");
+  const Device dev = idx.device;
+  check_2d(op, idx, "indices", -1, -1, dev);
+  MMFUSE_CHECK(idx.dtype == DType::kInt32 || idx.dtype == DType::kInt64, op,
+               ": indices: expected dtype int32 or int64, got ", dtype_name(idx.dtype));
+  const int64_t T = idx.shape[0], K = idx.shape[1];
+  MMFUSE_CHECK(T * K < (int64_t(1) << 31), op, ": T * K = ", T * K, ": expected below 2^31 (int32 row_id_map)");
+  const int64_t n = num_out == 0 ? T * K : num_out;
+  MMFUSE_CHECK(n >= 0 && n <= T * K, op, ": num_out_tokens: expected 0 (all) or in [0, T*K = ", T * K, "], got ",
+               num_out);
+  check_map(op, map, T, K, dev);
+  return n;
+}
+
 }  // namespace
 
 namespace detail {
@@ -89,20 +106,12 @@ int64_t moe_unpermute_backward_workspace_size(int64_t rows) { return std::max<in
 void moe_plan(const TensorView& idx, int64_t E, int64_t num_out, TensorView& map, TensorView& counts, TensorView& d2s,
               TensorView& ws, cudaStream_t stream) {
   const char* op = "moe_plan";
-  MMFUSE_CHECK(idx.defined(), op, ": indices is missing");
+  const int64_t n = check_plan_args(op, idx, num_out, map);
   const Device dev = idx.device;
-  check_2d(op, idx, "indices", -1, -1, dev);
-  MMFUSE_CHECK(idx.dtype == DType::kInt32 || idx.dtype == DType::kInt64, op,
-               ": indices: expected dtype int32 or int64, got ", dtype_name(idx.dtype));
   const int64_t T = idx.shape[0], K = idx.shape[1];
   MMFUSE_CHECK(E >= 1 && E < (int64_t(1) << 31), op, ": num_experts: expected a positive int32, got ", E);
   MMFUSE_CHECK(dev.type != DeviceType::kCUDA || E <= kMoeMaxExpertsCuda, op, ": num_experts: expected at most ",
                kMoeMaxExpertsCuda, " on CUDA, got ", E);
-  MMFUSE_CHECK(T * K < (int64_t(1) << 31), op, ": T * K = ", T * K, ": expected below 2^31 (int32 row_id_map)");
-  const int64_t n = num_out == 0 ? T * K : num_out;
-  MMFUSE_CHECK(n >= 0 && n <= T * K, op, ": num_out_tokens: expected 0 (all) or in [0, T*K = ", T * K, "], got ",
-               num_out);
-  check_map(op, map, T, K, dev);
   MMFUSE_CHECK(counts.defined() && counts.dtype == DType::kInt64 && counts.ndim == 1 && counts.shape[0] == E, op,
                ": counts: expected int64 [", E, "], got ", dtype_name(counts.dtype), " ", shape_str(counts));
   MMFUSE_CHECK(d2s.defined() && d2s.dtype == DType::kInt32 && d2s.ndim == 1 && d2s.shape[0] == n, op,
@@ -125,17 +134,9 @@ int64_t moe_sort_plan_workspace_size(int64_t T, int64_t K) {
 
 void moe_sort_plan(const TensorView& idx, int64_t num_out, TensorView& map, TensorView& ws, cudaStream_t stream) {
   const char* op = "moe_sort_plan";
-  MMFUSE_CHECK(idx.defined(), op, ": indices is missing");
+  const int64_t n = check_plan_args(op, idx, num_out, map);
   const Device dev = idx.device;
-  check_2d(op, idx, "indices", -1, -1, dev);
-  MMFUSE_CHECK(idx.dtype == DType::kInt32 || idx.dtype == DType::kInt64, op,
-               ": indices: expected dtype int32 or int64, got ", dtype_name(idx.dtype));
   const int64_t T = idx.shape[0], K = idx.shape[1];
-  MMFUSE_CHECK(T * K < (int64_t(1) << 31), op, ": T * K = ", T * K, ": expected below 2^31 (int32 row_id_map)");
-  const int64_t n = num_out == 0 ? T * K : num_out;
-  MMFUSE_CHECK(n >= 0 && n <= T * K, op, ": num_out_tokens: expected 0 (all) or in [0, T*K = ", T * K, "], got ",
-               num_out);
-  check_map(op, map, T, K, dev);
   if (T * K == 0) return;
   if (dev.type == DeviceType::kCPU) return detail::moe_sort_plan_cpu(idx, n, map);
   check_workspace(op, ws, moe_sort_plan_workspace_size(T, K), dev);
