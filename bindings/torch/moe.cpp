@@ -39,13 +39,13 @@ std::tuple<Tensor, Tensor, Tensor> moe_plan_impl(const Tensor& indices, int64_t 
 
 Tensor moe_sort_plan_impl(const Tensor& indices, int64_t num_out_tokens) {
   const int64_t T = indices.dim() == 2 ? indices.size(0) : 0, K = indices.dim() == 2 ? indices.size(1) : 0;
+  c10::OptionalDeviceGuard g(indices.device());  // the workspace is sized for the device of indices
   Tensor map = at::empty({K, T}, indices.options().dtype(at::kInt));
   // the sort's workspace is sized on the device (cub's query); the CPU backend needs none
   Tensor ws = workspace(indices, indices.is_cuda() && T * K > 0 && T * K < (int64_t(1) << 31)
                                      ? moe_sort_plan_workspace_size(T, K) : 0);
   guarded("moe_sort_plan", [&] {
     TensorView mv = view(map, "row_id_map"), wv = view(ws, "workspace");
-    c10::OptionalDeviceGuard g(indices.device());
     moe_sort_plan(view(indices, "indices"), num_out_tokens, mv, wv, current_stream(indices));
   });
   return map;
