@@ -88,3 +88,31 @@ def test_step_table_ratios_and_columns(capsys):
     assert "x bound" in out[0] and "loss after 50 (rel)" in out[0]
     assert out[2].startswith("| bound (GEMMs + attn) |") and "1.00" in out[2]
     assert "2.00x" in out[4] and "0.80" in out[4] and "1.00100 (1.0e-03)" in out[4]
+
+
+def test_merge_results_keeps_each_familys_run(tmp_path):
+    # families merged in from a newer run carry that run; the others keep theirs; the report says so
+    import importlib.machinery
+    import importlib.util
+    import json
+
+    from mmfuse.bench import report
+
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "merge-results")
+    loader = importlib.machinery.SourceFileLoader("merge_results", tool)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("merge_results", loader))
+    loader.exec_module(module)
+    merge = module.merge
+    old = {"header": {"device": "G", "commit": "aaa", "date": "d1"},
+           "seed": {"rows": [], "run": {"device": "G", "commit": "aaa", "date": "d1"}}}
+    new = {"header": {"device": "G", "commit": "bbb", "date": "d2", "torch": "t"},
+           "linear_cross_entropy": {"rows": []}}
+    out = merge(old, [new], {"seed": "a note"})
+    assert out["header"]["commit"] == "bbb" and list(out)[0] == "header"
+    assert out["linear_cross_entropy"]["run"] == {"device": "G", "commit": "bbb", "date": "d2", "torch": "t"}
+    assert out["seed"]["run"] == {"device": "G", "commit": "aaa", "date": "d1", "note": "a note"}
+    assert report._run_line(out["seed"]["run"], out["header"]) == "Measured at commit aaa, date d1. a note"
+    assert report._run_line(out["linear_cross_entropy"]["run"], out["header"]) == "Measured at commit bbb."
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(out))
+    assert json.loads(p.read_text())["seed"]["run"]["note"] == "a note"

@@ -200,6 +200,15 @@ def _stem(path: str) -> str:
     return os.path.splitext(os.path.basename(path))[0]
 
 
+def _run_line(run: dict, h: dict) -> str:
+    """Where a family's rows come from, where that is not the file's header (tools/merge-results keeps
+    each family's run), and its note."""
+    keys = ("commit", "date", "torch", "transformers")
+    diff = ", ".join(f"{k} {run[k]}" for k in keys if run.get(k) and run.get(k) != h.get(k))
+    parts = ([f"Measured at {diff}."] if diff else []) + ([run["note"]] if run.get("note") else [])
+    return " ".join(parts) if parts else f"Measured at commit {run.get('commit', '?')}."
+
+
 def _header_line(h: dict) -> str:
     keys = ("device", "driver", "torch", "cuda", "transformers", "commit", "date")
     return ", ".join(f"{k} {h[k]}" for k in keys if h.get(k))
@@ -264,8 +273,8 @@ def readme_summary(results_dir: str, plots_rel: str = "docs/plots") -> str:
     """The README's results section body: a table of each GPU's headline per family, and one plot."""
     files = sorted(glob.glob(os.path.join(results_dir, "*.json")))
     if not files:
-        return ("No benchmark results are committed yet: run `tools/gpu-check` on a GPU, copy its `bench.json` to "
-                "`docs/results/<gpu>.json` and run `mmfuse-bench report`.")
+        return ("No benchmark results are committed yet: run `tools/gpu-check` on a GPU, merge its `bench.json` into "
+                "`docs/results/<gpu>.json` (`tools/merge-results`) and run `mmfuse-bench report`.")
     lines = ["| GPU | family | result |", "|---|---|---|"]
     plot = None
     for path in files:
@@ -312,8 +321,8 @@ def render(results_dir: str, out_md: str, plots_dir: Optional[str] = None) -> Li
           "JSON, regenerate. Ratios are measured side by side in one run; absolute times vary between "
           "machines. The reasoning behind each kernel is in `design/`.", ""]
     if not files:
-        md += ["No results are committed yet: run `tools/gpu-check` on a GPU (it writes `bench.json`), copy the file "
-               "to `docs/results/<gpu>.json` and run `mmfuse-bench report`.", ""]
+        md += ["No results are committed yet: run `tools/gpu-check` on a GPU (it writes `bench.json`), merge the file "
+               "into `docs/results/<gpu>.json` (`tools/merge-results`) and run `mmfuse-bench report`.", ""]
     for path in files:
         with open(path) as f:
             data = json.load(f)
@@ -329,6 +338,9 @@ def render(results_dir: str, out_md: str, plots_dir: Optional[str] = None) -> Li
                 written.append(png)
                 md += [f"![{fam}]({os.path.relpath(png, os.path.dirname(out_md) or '.')})", ""]
             md += [_table(header, rows), ""]
+            run = data[fam].get("run")
+            if run:
+                md += [_run_line(run, h), ""]
     with open(out_md, "w") as f:
         f.write("\n".join(md))
     written.append(out_md)
