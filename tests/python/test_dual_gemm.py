@@ -360,3 +360,85 @@ def test_operands_as_views(device):
         ga = torch.ones_like(d0) @ w.contiguous()
         ga[:3] += torch.ones_like(d1) @ w.contiguous()
         torch.testing.assert_close(a_.grad, ga, **tol)
+
+
+def _fp8_pair(grad_dtype=torch.float8_e5m2, scaling="delayed"):
+    # a DualExpertMLP in fp8 and a MoTExperts in fp8 with the same weights (one width: 32)
+    from mmfuse.nn import DualExpertMLP
+    from mmfuse.nn.vla import MoTExperts
+
+    g = torch.Generator().manual_seed(21)
+    d = DualExpertMLP((32, 32), (48, 16), dtype=torch.bfloat16, fp8=True, grad_dtype=grad_dtype, scaling=scaling)
+    m = MoTExperts(32, (48, 16), fp8=True, grad_dtype=grad_dtype, scaling=scaling, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name in ("gate_up0", "down0", "gate_up1", "down1"):
+            w = (torch.randn(getattr(d, name).shape, generator=g) * 0.2).bfloat16()
+            getattr(d, name).copy_(w)
+            getattr(m, name).copy_(w)
+    return d, m
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic"])
+def test_dual_expert_mlp_fp8_equals_the_fp8_expert_block(scaling):
+    # DualExpertMLP(fp8=True) runs each expert through the same fp8 expert as MoTExperts: the same bits,
+    # outputs and gradients, over three steps (the delayed states move alike)
+    d, m = _fp8_pair(scaling=scaling)
+    g = torch.Generator().manual_seed(22)
+    for step in range(3):
+        x0, x1 = (torch.randn(n, 32, generator=g).bfloat16() for n in (29, 7))
+        dy = torch.randn(36, 32, generator=g).bfloat16()
+        a0, a1, b = x0.clone().requires_grad_(), x1.clone().requires_grad_(), torch.cat([x0, x1]).requires_grad_()
+        y0, y1 = d.forward_experts(a0, a1)
+        y = m(b, 29)
+        assert torch.equal(torch.cat([y0, y1]), y), step
+        torch.autograd.backward((y0, y1), (dy[:29], dy[29:]))
+        y.backward(dy)
+        assert torch.equal(torch.cat([a0.grad, a1.grad]), b.grad), step
+        for name in ("gate_up0", "down0", "gate_up1", "down1"):
+            assert torch.equal(getattr(d, name).grad, getattr(m, name).grad), (step, name)
+            getattr(d, name).grad = getattr(m, name).grad = None
+    for a, b in zip(d.fp8_delayed_states(), m.fp8_delayed_states()):
+        assert torch.equal(a, b)
+    assert len(d.fp8_delayed_states()) == (8 if scaling == "delayed" else 0)
+
+
+def test_dual_expert_mlp_fp8_is_close_to_bf16_and_routes_by_token_type():
+    from mmfuse.nn import DualExpertMLP
+
+    d, _ = _fp8_pair()
+    ref = DualExpertMLP((32, 32), (48, 16), dtype=torch.bfloat16)
+    ref.load_state_dict(d.state_dict())
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(40, 32, generator=g).bfloat16()
+    tt = (torch.arange(40) >= 31).int()
+    with torch.no_grad():
+        got, want = d(x, tt, 31), ref(x, tt, 31)
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.1  # e4m3 operands
+    assert not torch.equal(got, want)  # the fp8 path ran
+    # cast as a model is: the states stay float32
+    assert all(s.dtype == torch.float32 for s in d.half().fp8_delayed_states())
+
+
+def test_convert_to_fp8_turns_on_the_experts():
+    from mmfuse.nn import DualExpertMLP, Fp8Linear, convert_to_fp8
+    from mmfuse.nn.vla import MoTExperts
+
+    model = torch.nn.ModuleDict(dict(proj=torch.nn.Linear(32, 32), dual=DualExpertMLP((32, 32), (48, 16)),
+                                     mot=MoTExperts(32, (48, 16)), keep=DualExpertMLP((32, 32), (48, 16))))
+    assert not model["dual"].fp8 and not model["dual"].fp8_delayed_states()
+    convert_to_fp8(model, lambda name, m: name != "keep", grad_dtype=torch.float8_e4m3fn, history=4)
+    assert isinstance(model["proj"], Fp8Linear)
+    for e in (model["dual"], model["mot"]):
+        assert e.fp8 and e.grad_dtype == torch.float8_e4m3fn and e.scaling == "delayed"
+        assert len(e.fp8_delayed_states()) == 8 and e.gate_up0_x_state.shape == _state_shape(4)
+    assert not model["keep"].fp8
+    with pytest.raises(ValueError, match=r"convert_to_fp8: recipe='row': not an option of the fp8 experts \(dual"):
+        convert_to_fp8(torch.nn.ModuleDict(dict(dual=DualExpertMLP((32, 32), (48, 16)))), recipe="row")
+    with pytest.raises(ValueError, match="DualExpertMLP: scaling: expected 'dynamic' or 'delayed', got 'rows'"):
+        DualExpertMLP((32, 32), (48, 16), fp8=True, scaling="rows")
+
+
+def _state_shape(history):
+    from mmfuse import fp8 as _fp8
+
+    return _fp8.new_state(history, "cpu").shape

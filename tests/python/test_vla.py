@@ -176,7 +176,7 @@ def test_fp8_expert_equals_the_fp8_linear_composition(device, split, monkeypatch
     from the packed input) -> fp8_linear with the same delayed states: outputs, input and weight
     gradients and every state, over three steps (the delayed scales then in use)."""
     from mmfuse import fp8
-    from mmfuse.nn.vla import _Fp8ExpertFn
+    from mmfuse.nn.fp8_experts import _Fp8ExpertFn
 
     monkeypatch.setattr(_Fp8ExpertFn, "split_grad_copies", split)
     from mmfuse.swiglu import swiglu, swiglu_backward_fp8, swiglu_pack_fp8
@@ -227,7 +227,7 @@ def test_fp8_expert_equals_the_fp8_linear_composition(device, split, monkeypatch
 def test_fp8_expert_split_copies_with_some_gradients_unwanted(device, wants, monkeypatch):
     # the split gate/up gradient (row-major cast, then its transpose) where only the input's or only the
     # gate/up weight's gradient is wanted: the same bits as the one-pass mode
-    from mmfuse.nn.vla import _Fp8ExpertFn
+    from mmfuse.nn.fp8_experts import _Fp8ExpertFn
 
     want_x, want_gu = wants
     M, H, inter = (29, 32, 48) if device == "cpu" else (3001, 2048, 5504)

@@ -7,13 +7,15 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from .. import fp8 as _fp8
 from ..dual_gemm import dual_gemm
 from ..moe import moe_permute, moe_unpermute
+from .fp8_experts import Fp8Experts
 
 Tensor = torch.Tensor
 
 
-class DualExpertMLP(torch.nn.Module):
+class DualExpertMLP(Fp8Experts, torch.nn.Module):
     r"""Two SwiGLU experts of different hidden and intermediate sizes in one module.
 
     Expert ``e`` (0: the vision-language expert, 1: the action expert) computes, without bias::
@@ -29,6 +31,12 @@ class DualExpertMLP(torch.nn.Module):
         hidden_sizes: ``(hidden_0, hidden_1)``, e.g. ``(2048, 1024)``.
         intermediate_sizes: ``(intermediate_0, intermediate_1)``, e.g. ``(11008, 2048)``.
         device, dtype: of the parameters (bf16 or fp16 for the fast path; fp32 / fp64 work too).
+        fp8: each expert whose gate/up GEMM is big enough for fp8 to pay (:func:`mmfuse.fp8.fp8_pays`, the
+            rule of :class:`mmfuse.nn.Fp8Linear`; always on the CPU, which emulates fp8) runs in fp8: e4m3
+            operands, ``grad_dtype`` gradients, ``scaling`` ``"delayed"`` (``history`` amaxes) or
+            ``"dynamic"``, its SwiGLU activation quantized from the gate/up output and that output saved
+            packed in fp8; the other expert stays in the parameters' dtype. :meth:`enable_fp8` (what
+            :func:`mmfuse.nn.convert_to_fp8` calls) turns it on later.
 
     Parameters ``gate_up0``, ``down0``, ``gate_up1``, ``down1`` are in ``nn.Linear``'s ``[out, in]``
     layout, initialised like ``nn.Linear``.
@@ -43,7 +51,8 @@ class DualExpertMLP(torch.nn.Module):
     """
 
     def __init__(self, hidden_sizes: Sequence[int], intermediate_sizes: Sequence[int], *, device=None,
-                 dtype=None) -> None:
+                 dtype=None, fp8: bool = False, history: int = _fp8.DEFAULT_HISTORY,
+                 grad_dtype: torch.dtype = _fp8.E5M2, scaling: str = "delayed") -> None:
         super().__init__()
         if len(hidden_sizes) != 2 or len(intermediate_sizes) != 2:
             raise ValueError("DualExpertMLP: hidden_sizes and intermediate_sizes: expected two sizes each (one an "
@@ -60,6 +69,7 @@ class DualExpertMLP(torch.nn.Module):
         self.gate_up1 = torch.nn.Parameter(torch.empty(2 * i1, h1, **kw))
         self.down1 = torch.nn.Parameter(torch.empty(h1, i1, **kw))
         self.reset_parameters()
+        self._init_fp8("DualExpertMLP", fp8, history, grad_dtype, scaling)
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default: uniform in ``+-1/sqrt(fan_in)``."""
@@ -107,12 +117,23 @@ class DualExpertMLP(torch.nn.Module):
         self._check(x0, 0, "x0")
         self._check(x1, 1, "x1")
         a0, a1 = x0.reshape(-1, x0.shape[-1]), x1.reshape(-1, x1.shape[-1])
+        fp8 = [self._uses_fp8(a0, a0.shape[0], 0), self._uses_fp8(a1, a1.shape[0], 1)]
+        if any(fp8):  # each expert on its own: fp8 where it pays, the other as below
+            y0, y1 = (self._fp8_expert(a.contiguous(), e) if fp8[e] else self._expert(a, e)
+                      for e, a in enumerate((a0, a1)))
+            return y0.view(x0.shape), y1.view(x1.shape)
         gu0, gu1 = dual_gemm(a0, self.gate_up0, a1, self.gate_up1, trans_b=True)
         (i0, i1) = self.intermediate_sizes
         s0 = F.silu(gu0[:, :i0]) * gu0[:, i0:]
         s1 = F.silu(gu1[:, :i1]) * gu1[:, i1:]
         y0, y1 = dual_gemm(s0, self.down0, s1, self.down1, trans_b=True)
         return y0.view(x0.shape), y1.view(x1.shape)
+
+    def _expert(self, a: Tensor, e: int) -> Tensor:
+        """Expert ``e`` of ``a [M, hidden_e]`` alone, as the dual path computes it."""
+        i = self.intermediate_sizes[e]
+        gu = F.linear(a, getattr(self, f"gate_up{e}"))
+        return F.linear(F.silu(gu[:, :i]) * gu[:, i:], getattr(self, f"down{e}"))
 
     def forward(self, x: Tensor, token_type: Tensor, num_tokens0: Optional[int] = None) -> Tensor:
         """Runs a mixed sequence through the experts by token type.

@@ -149,15 +149,34 @@ def reduce_amax_histories(model: torch.nn.Module, group=None) -> int:
 def convert_to_fp8(model: torch.nn.Module, filter_fn: Optional[Callable[[str, torch.nn.Module], bool]] = None,
                    **kwargs) -> torch.nn.Module:
     """Replaces, in place, every ``nn.Linear`` of ``model`` (its fully qualified name and the module
-    passed to ``filter_fn``, all of them when None) by an :class:`Fp8Linear` sharing its parameters;
-    ``kwargs`` go to Fp8Linear. Returns ``model``. A bare ``nn.Linear`` cannot be replaced in place:
-    it is an error (use :meth:`Fp8Linear.from_linear`)."""
+    passed to ``filter_fn``, all of them when None) by an :class:`Fp8Linear` sharing its parameters, and
+    turns on the fp8 path of every two-expert module (:class:`mmfuse.nn.DualExpertMLP`,
+    :class:`mmfuse.nn.vla.MoTExperts`: each expert in fp8 where it pays) that ``filter_fn`` selects.
+    ``kwargs`` go to Fp8Linear; the experts take ``scaling`` (``None``: delayed), ``history`` and
+    ``grad_dtype``, and refuse the options they do not have (a ``recipe`` other than ``"tensor"``,
+    ``bf16_wgrad``, ``fallback=False``). Returns ``model``. A bare ``nn.Linear`` cannot be replaced in
+    place: it is an error (use :meth:`Fp8Linear.from_linear`)."""
+    from .fp8_experts import Fp8Experts
+
     if type(model) is torch.nn.Linear:
         raise ValueError("convert_to_fp8: model is an nn.Linear itself, which cannot be replaced in place: use "
                          "Fp8Linear.from_linear(model) (or pass the module that holds it)")
+    experts = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, Fp8Experts) and (filter_fn is None or filter_fn(name, m))]
+    if experts:
+        unsupported = {k: v for k, v in kwargs.items() if (k, v) not in (("recipe", "tensor"), ("bf16_wgrad", False),
+                                                                         ("fallback", True))
+                       and k not in ("scaling", "history", "grad_dtype")}
+        if unsupported:
+            raise ValueError(f"convert_to_fp8: {', '.join(f'{k}={v!r}' for k, v in unsupported.items())}: not an "
+                             f"option of the fp8 experts ({experts[0][0] or 'model'}: per-tensor scaling, fp8 where "
+                             "it pays); leave them out with filter_fn")
     for name, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if type(child) is torch.nn.Linear and (filter_fn is None or filter_fn(full, child)):
                 setattr(mod, child_name, Fp8Linear.from_linear(child, **kwargs))
+    opts = {k: v for k, v in kwargs.items() if k in ("history", "grad_dtype", "scaling") and v is not None}
+    for _, m in experts:
+        m.enable_fp8(**opts)
     return model

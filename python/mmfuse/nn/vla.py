@@ -15,7 +15,7 @@ An fp8 expert saves its gate/up output packed in fp8 instead (``swiglu_pack_fp8`
 Weights load from the reference model of ``mmfuse-bench train`` (:meth:`VLADecoder.load_reference`).
 """
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from ..rms_norm import rms_norm
 from ..swiglu import swiglu, swiglu_backward, swiglu_backward_
 from .fp32_buffers import Fp32Buffers
 from .fp8 import Fp8Linear
+from .fp8_experts import Fp8Experts
 
 
 class _MoTExpertsFn(torch.autograd.Function):
@@ -99,140 +100,30 @@ class _RotateQKFn(torch.autograd.Function):
         return d.view(B * L, -1), None, None, None, None, None, None, None
 
 
-def _saved_tensor_hooks_active() -> bool:
-    """Whether saved-tensor hooks (activation checkpointing, offloading) are active, so that every saved
-    tensor must go through save_for_backward; assumed so where this torch cannot tell."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
-
-
-class _Fp8ExpertFn(torch.autograd.Function):
-    """One SwiGLU expert in fp8, x [M, H] -> y [M, H]: gate/up and down through mmfuse's fp8 linear ops
-    (e4m3 operands, delayed or dynamic scaling), the SwiGLU activation quantized straight from the gate/up
-    output (``swiglu_x``: it is never written in bf16). Saved for the backward: x's and the activation's
-    fp8 copies and the gate/up output packed in fp8 (``swiglu_pack_fp8``: 128-column tiles with their own
-    power-of-two scales, half the bytes of bf16), from which the backward's gate/up cast computes the
-    SwiGLU gradient as it quantizes it (``fp8_quantize``'s ``swiglu_q``: never written in bf16).
-    The weights' transposed fp8 copies are made again in the backward, each right before its GEMM.
-    Eager, the pack and the activation's copy are held on ctx and let go as soon as read, the activation's
-    before the gate/up backward makes its gradient copies (the step's peak); so a second backward
-    through the same graph is refused. Traced, or under saved-tensor hooks (checkpointing, offloading),
-    they are saved as usual."""
-
-    # The gate/up projection's output gradient in fp8: its row-major copy cast from da and the pack,
-    # then (da and the pack let go) its transposed copy by transposing that one, so neither copy
-    # coexists with both da and the other (the step's peak); False: both copies in one cast pass inside
-    # fp8_linear_backward (a transpose fewer, ~0.3 GB more at the peak at the 3B shapes).
-    split_grad_copies = True
-
-    @staticmethod
-    def forward(ctx, x, gate_up, down, states, grad_e5m2, dynamic):
-        gu_x, gu_w, gu_g, dn_x, dn_w, dn_g = states
-        # the weights' transposed fp8 copies (the input-gradient GEMMs' operands) are not saved: the
-        # backward makes them again from the weights, the same bits, one at a time
-        g, x_qt, x_si, _, _, _, _ = torch.ops.mmfuse.fp8_linear_forward(
-            x, gate_up, None, gu_x, gu_w, None, None, None, dynamic, True, False, False)
-        y, a_qt, a_si, _, _, _, _ = torch.ops.mmfuse.fp8_linear_forward(
-            g, down, None, dn_x, dn_w, None, None, None, dynamic, True, False, False, True)
-        g_q, g_si = torch.ops.mmfuse.swiglu_pack_fp8(g)
-        del g
-        first = (g_q, g_si, a_qt, a_si)
-        ctx.saved_all = torch.compiler.is_compiling() or _saved_tensor_hooks_active()
-        kept = (x_qt, x_si, gate_up, down, gu_w, gu_g, dn_w, dn_g)
-        if ctx.saved_all:
-            ctx.save_for_backward(*kept, *first)
-        else:
-            ctx.save_for_backward(*kept)
-            ctx.first = first
-        ctx.grad_e5m2, ctx.dynamic, ctx.k = grad_e5m2, dynamic, (x.shape[1], down.shape[1])
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x_qt, x_si, gate_up, down, gu_w, gu_g, dn_w, dn_g, *first = ctx.saved_tensors
-        if not ctx.saved_all:
-            if ctx.first is None:
-                raise RuntimeError("mmfuse fp8 expert: its backward lets go of its saved tensors as it reads them: a "
-                                   "second backward through the same graph (retain_graph=True) is not supported")
-            first, ctx.first = list(ctx.first), None
-        g_q, g_si, a_qt, a_si = first
-        del first
-        need_dx, need_dgu, need_ddn = ctx.needs_input_grad[:3]
-        H, inter = ctx.k
-        e5m2, dynamic = ctx.grad_e5m2, ctx.dynamic
-        # a weight's transposed copy as the forward made it (dynamic, per tensor: the same scale and bits)
-        _, dn_qt, dn_si, _ = torch.ops.mmfuse.fp8_quantize(down, dn_w, False, True, False, True, False)
-        da, ddown, _ = torch.ops.mmfuse.fp8_linear_backward(
-            dy.to(torch.bfloat16), a_qt, a_si, dn_qt, dn_si, dn_g, inter, dynamic, e5m2, True, need_ddn, False, False,
-            None, None, False)
-        del a_qt, a_si, dn_qt, dn_si
-        # the SwiGLU gradient quantized straight from da and the pack (never written in bf16)
-        if not _Fp8ExpertFn.split_grad_copies:
-            _, gu_qt, gu_si, _ = torch.ops.mmfuse.fp8_quantize(gate_up, gu_w, False, True, False, True, False)
-            dx, dgu, _ = torch.ops.mmfuse.fp8_linear_backward(
-                da, x_qt, x_si, gu_qt, gu_si, gu_g, H, dynamic, e5m2, need_dx, need_dgu, False, False, None, None,
-                False, g_q, g_si)
-            return (dx if need_dx else None, dgu if need_dgu else None, ddown if need_ddn else None, None, None, None)
-        dx = dgu = None
-        if need_dx or need_dgu:
-            M, two_i = g_q.shape
-            q, _, q_si, _ = torch.ops.mmfuse.fp8_quantize(da, gu_g, True, False, e5m2, dynamic, False, g_q, g_si)
-            del da, g_q, g_si
-            if need_dx:
-                _, gu_qt, gu_si, _ = torch.ops.mmfuse.fp8_quantize(gate_up, gu_w, False, True, False, True, False)
-                dx = torch.ops.mmfuse.fp8_gemm(q[:M], gu_qt, q_si, gu_si, None, False, False)[:, :H]
-                del gu_qt
-            if need_dgu:
-                qt = torch.ops.mmfuse.fp8_transpose(q)
-                del q
-                dgu = torch.ops.mmfuse.fp8_gemm(qt[:two_i], x_qt, q_si, x_si, None, False, False)[:, :H]
-        return dx, dgu, ddown if need_ddn else None, None, None, None
-
-
-class MoTExperts(Fp32Buffers, nn.Module):
+class MoTExperts(Fp8Experts, nn.Module):
     """Two SwiGLU experts over one grouped token block: rows ``[0, m0)`` go through expert 0 (hidden ->
     inter0 -> hidden), the rest through expert 1. Weights in ``nn.Linear`` layout, gate and up stacked:
     ``gate_up_e [2 * inter_e, hidden]`` = ``[gate_e; up_e]``, ``down_e [hidden, inter_e]``.
 
-    With ``fp8=True`` an expert whose gate/up GEMM is big enough for fp8 to pay (:func:`mmfuse.fp8.fp8_pays`;
-    always on the CPU, which emulates fp8) runs both its projections through :func:`mmfuse.fp8_linear`
-    (e4m3 operands, e5m2 gradients or ``grad_dtype``, delayed or dynamic ``scaling``, fp8 copies saved for the
-    backward, the gate/up output saved packed in fp8: :func:`mmfuse.swiglu.swiglu_pack_fp8`); the other
-    stays bf16. The states are buffers (``fp8_delayed_states`` lists the delayed ones for
+    With ``fp8=True`` (or :meth:`enable_fp8`, which :func:`mmfuse.nn.convert_to_fp8` calls) an expert whose
+    gate/up GEMM is big enough for fp8 to pay (:func:`mmfuse.fp8.fp8_pays`; always on the CPU, which
+    emulates fp8) runs both its projections through :func:`mmfuse.fp8_linear` (e4m3 operands, e5m2
+    gradients or ``grad_dtype``, delayed or dynamic ``scaling``, fp8 copies saved for the backward, the
+    gate/up output saved packed in fp8: :func:`mmfuse.swiglu.swiglu_pack_fp8`); the other stays bf16. The
+    states are buffers (``fp8_delayed_states`` lists the delayed ones for
     :func:`mmfuse.nn.reduce_amax_histories`)."""
-
-    _fp32_suffixes = ("_state",)  # the fp8 scaling states stay float32 when the module is cast
 
     def __init__(self, hidden: int, intermediate_sizes: Sequence[int], *, fp8: bool = False,
                  history: int = _fp8.DEFAULT_HISTORY, grad_dtype: torch.dtype = _fp8.E5M2, scaling: str = "delayed",
                  device=None, dtype=None):
         super().__init__()
-        if scaling not in ("dynamic", "delayed"):
-            raise ValueError(f"MoTExperts: scaling: expected 'dynamic' or 'delayed', got {scaling!r}")
-        self.grad_dtype = grad_dtype
-        self.scaling = scaling
         kw = dict(device=device, dtype=dtype)
         i0, i1 = intermediate_sizes
         self.gate_up0 = nn.Parameter(torch.empty(2 * i0, hidden, **kw))
         self.down0 = nn.Parameter(torch.empty(hidden, i0, **kw))
         self.gate_up1 = nn.Parameter(torch.empty(2 * i1, hidden, **kw))
         self.down1 = nn.Parameter(torch.empty(hidden, i1, **kw))
-        self.fp8 = fp8
-        if fp8:
-            for proj in ("gate_up0", "down0", "gate_up1", "down1"):
-                for t, hist in (("x", history), ("w", 1), ("g", history)):
-                    self.register_buffer(f"{proj}_{t}_state", _fp8.new_state(hist, device), persistent=False)
-
-    def fp8_delayed_states(self) -> List[Tensor]:
-        if not self.fp8 or self.scaling == "dynamic":
-            return []
-        return [getattr(self, f"{p}_{t}_state") for p in ("gate_up0", "down0", "gate_up1", "down1") for t in "xg"]
-
-    def _uses_fp8(self, x: Tensor, rows: int, e: int) -> bool:
-        if not self.fp8:
-            return False
-        w = getattr(self, f"gate_up{e}")
-        return not x.is_cuda or _fp8.fp8_pays(rows, w.shape[0], w.shape[1])
+        self._init_fp8("MoTExperts", fp8, history, grad_dtype, scaling)
 
     def forward(self, x: Tensor, m0: int) -> Tensor:
         if x.dim() != 2 or not 0 <= m0 <= x.shape[0]:
@@ -245,9 +136,7 @@ class MoTExperts(Fp32Buffers, nn.Module):
         # split, not two slices: their backward would be two zero-filled [T, H] gradients added up
         for e, part in enumerate(x.split([m0, x.shape[0] - m0])):
             if fp8[e]:
-                states = tuple(getattr(self, f"{p}{e}_{t}_state") for p in ("gate_up", "down") for t in "xwg")
-                outs.append(_Fp8ExpertFn.apply(part, getattr(self, f"gate_up{e}"), getattr(self, f"down{e}"), states,
-                                               self.grad_dtype == _fp8.E5M2, self.scaling == "dynamic"))
+                outs.append(self._fp8_expert(part, e))
             else:
                 gu, dn = getattr(self, f"gate_up{e}"), getattr(self, f"down{e}")
                 if fp8[1 - e]:  # saved for backward as a copy: a view would keep the whole of x alive
