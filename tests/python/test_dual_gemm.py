@@ -442,3 +442,17 @@ def _state_shape(history):
     from mmfuse import fp8 as _fp8
 
     return _fp8.new_state(history, "cpu").shape
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_dual_expert_mlp_backward_has_no_slice_gradients(fp8, record_ops):
+    # the grouped rows are split between the experts, not sliced: no zero-filled [T, H] gradient each
+    from mmfuse.nn import DualExpertMLP
+
+    d = DualExpertMLP((32, 32), (48, 16), dtype=torch.bfloat16, fp8=fp8)
+    g = torch.Generator().manual_seed(24)
+    x = torch.randn(40, 32, generator=g).bfloat16().requires_grad_()
+    y = d(x, (torch.arange(40) >= 31).int(), 31)
+    with record_ops() as rec:
+        y.backward(torch.randn(40, 32, generator=g).bfloat16())
+    assert not [n for n, _ in rec.ops if n == "slice_backward"] and rec.fills_of(40 * 32) == [], rec.ops

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from .. import fp8 as _fp8
 from ..dual_gemm import dual_gemm
 from ..moe import moe_permute, moe_unpermute
+from ..swiglu import swiglu
 from .fp8_experts import Fp8Experts
 
 Tensor = torch.Tensor
@@ -25,7 +26,8 @@ class DualExpertMLP(Fp8Experts, torch.nn.Module):
     The gate and up projections of both experts are one :func:`mmfuse.dual_gemm` call (their weights
     are stacked, ``gate_up_e = [gate_e; up_e]`` of shape ``[2 * intermediate_e, hidden_e]``), the down
     projections another; the backward is the dual GEMM's backward (dX and dW of both experts, each a
-    dual GEMM). The SwiGLU itself is PyTorch.
+    dual GEMM). The SwiGLU is :func:`mmfuse.swiglu` on the fused ``[gate | up]`` output (fp32 math, one
+    rounding; its backward writes the gate/up gradient in one pass, no zero-filled slices).
 
     Args:
         hidden_sizes: ``(hidden_0, hidden_1)``, e.g. ``(2048, 1024)``.
@@ -123,17 +125,13 @@ class DualExpertMLP(Fp8Experts, torch.nn.Module):
                       for e, a in enumerate((a0, a1)))
             return y0.view(x0.shape), y1.view(x1.shape)
         gu0, gu1 = dual_gemm(a0, self.gate_up0, a1, self.gate_up1, trans_b=True)
-        (i0, i1) = self.intermediate_sizes
-        s0 = F.silu(gu0[:, :i0]) * gu0[:, i0:]
-        s1 = F.silu(gu1[:, :i1]) * gu1[:, i1:]
+        s0, s1 = swiglu(gu0), swiglu(gu1)
         y0, y1 = dual_gemm(s0, self.down0, s1, self.down1, trans_b=True)
         return y0.view(x0.shape), y1.view(x1.shape)
 
     def _expert(self, a: Tensor, e: int) -> Tensor:
         """Expert ``e`` of ``a [M, hidden_e]`` alone, as the dual path computes it."""
-        i = self.intermediate_sizes[e]
-        gu = F.linear(a, getattr(self, f"gate_up{e}"))
-        return F.linear(F.silu(gu[:, :i]) * gu[:, i:], getattr(self, f"down{e}"))
+        return F.linear(swiglu(F.linear(a, getattr(self, f"gate_up{e}"))), getattr(self, f"down{e}"))
 
     def forward(self, x: Tensor, token_type: Tensor, num_tokens0: Optional[int] = None) -> Tensor:
         """Runs a mixed sequence through the experts by token type.
@@ -171,5 +169,6 @@ class DualExpertMLP(Fp8Experts, torch.nn.Module):
                                  f"got {num_tokens0}")
             torch._assert_async(p.counts[0] == m0, "DualExpertMLP.forward: num_tokens0 differs from the number of "
                                 "type-0 tokens in token_type")
-        y0, y1 = self.forward_experts(p.rows[:m0], p.rows[m0:])
+        # split, not two slices: their backward would be two zero-filled [T, H] gradients added up
+        y0, y1 = self.forward_experts(*p.rows.split([m0, p.rows.shape[0] - m0]))
         return moe_unpermute(torch.cat([y0, y1]), p.row_id_map).view(x.shape)
