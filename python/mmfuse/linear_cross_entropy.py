@@ -93,9 +93,12 @@ def _passes(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss,
     dh = torch.empty_like(hidden) if need_grads else hidden.new_empty(0, H)
     acc = _dw_dtype(hidden.dtype, dw_fp32)
     fused = hidden.dtype != torch.float64  # the fused kernel (fp32 or 16-bit logits); fp64 (gradcheck): PyTorch ops
-    # fused, the first group's GEMM writes the accumulator (no zero fill: 1.2 GB at 151936 x 2048 fp32)
-    dw = (torch.empty if fused and T > 0 else torch.zeros)(V, H, dtype=acc, device=hidden.device) if need_grads \
-        else hidden.new_empty(0, H, dtype=acc)
+    if not need_grads:
+        dw = hidden.new_empty(0, H, dtype=acc)
+    elif fused and T > 0:  # the first group's GEMM writes it: no zero fill (1.2 GB at 151936 x 2048 fp32)
+        dw = torch.empty(V, H, dtype=acc, device=hidden.device)
+    else:
+        dw = torch.zeros(V, H, dtype=acc, device=hidden.device)
     db = torch.zeros(V, dtype=torch.float32, device=hidden.device) if need_grads and bias is not None \
         else hidden.new_empty(0, dtype=torch.float32)
     group = chunk * (max(1, DW_GROUP_TOKENS // chunk) if fused else 1)

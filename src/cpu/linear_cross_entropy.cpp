@@ -32,8 +32,7 @@ void linear_cross_entropy_logits_grad_cpu(const TensorView& z, const TensorView&
           continue;
         }
         MMFUSE_CHECK(y >= 0 && y < V, "linear_cross_entropy_logits_grad: labels[", r, "] = ", y,
-                     ": expected a class in [0, ", V,
-                     ") or ignore_index ", p.ignore_index);
+                     ": expected a class in [0, ", V, ") or ignore_index ", p.ignore_index);
         float m = -std::numeric_limits<float>::infinity();
         bool nan = false;
         for (int64_t j = 0; j < V; ++j) {

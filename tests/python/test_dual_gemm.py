@@ -434,6 +434,10 @@ def test_convert_to_fp8_turns_on_the_experts():
     assert not model["keep"].fp8
     with pytest.raises(ValueError, match=r"convert_to_fp8: recipe='row': not an option of the fp8 experts \(dual"):
         convert_to_fp8(torch.nn.ModuleDict(dict(dual=DualExpertMLP((32, 32), (48, 16)))), recipe="row")
+    # a Linear-only option at the value that is the experts' behaviour too is taken; another value is not
+    convert_to_fp8(torch.nn.ModuleDict(dict(dual=DualExpertMLP((32, 32), (48, 16)))), fuse_wgrad_accumulation=False)
+    with pytest.raises(ValueError, match=r"fuse_wgrad_accumulation=True: not an option of the fp8 experts"):
+        convert_to_fp8(torch.nn.ModuleDict(dict(dual=DualExpertMLP((32, 32), (48, 16)))), fuse_wgrad_accumulation=True)
     with pytest.raises(ValueError, match="DualExpertMLP: scaling: expected 'dynamic' or 'delayed', got 'rows'"):
         DualExpertMLP((32, 32), (48, 16), fp8=True, scaling="rows")
 

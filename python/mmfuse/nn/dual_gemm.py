@@ -5,7 +5,6 @@ import math
 from typing import Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .. import fp8 as _fp8
 from ..dual_gemm import dual_gemm
@@ -71,7 +70,7 @@ class DualExpertMLP(Fp8Experts, torch.nn.Module):
         self.gate_up1 = torch.nn.Parameter(torch.empty(2 * i1, h1, **kw))
         self.down1 = torch.nn.Parameter(torch.empty(h1, i1, **kw))
         self.reset_parameters()
-        self._init_fp8("DualExpertMLP", fp8, history, grad_dtype, scaling)
+        self._init_fp8(fp8, history, grad_dtype, scaling)
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default: uniform in ``+-1/sqrt(fan_in)``."""
@@ -121,17 +120,13 @@ class DualExpertMLP(Fp8Experts, torch.nn.Module):
         a0, a1 = x0.reshape(-1, x0.shape[-1]), x1.reshape(-1, x1.shape[-1])
         fp8 = [self._uses_fp8(a0, a0.shape[0], 0), self._uses_fp8(a1, a1.shape[0], 1)]
         if any(fp8):  # each expert on its own: fp8 where it pays, the other as below
-            y0, y1 = (self._fp8_expert(a.contiguous(), e) if fp8[e] else self._expert(a, e)
+            y0, y1 = (self._fp8_expert(a.contiguous(), e) if fp8[e] else self._plain_expert(a, e)
                       for e, a in enumerate((a0, a1)))
             return y0.view(x0.shape), y1.view(x1.shape)
         gu0, gu1 = dual_gemm(a0, self.gate_up0, a1, self.gate_up1, trans_b=True)
         s0, s1 = swiglu(gu0), swiglu(gu1)
         y0, y1 = dual_gemm(s0, self.down0, s1, self.down1, trans_b=True)
         return y0.view(x0.shape), y1.view(x1.shape)
-
-    def _expert(self, a: Tensor, e: int) -> Tensor:
-        """Expert ``e`` of ``a [M, hidden_e]`` alone, as the dual path computes it."""
-        return F.linear(swiglu(F.linear(a, getattr(self, f"gate_up{e}"))), getattr(self, f"down{e}"))
 
     def forward(self, x: Tensor, token_type: Tensor, num_tokens0: Optional[int] = None) -> Tensor:
         """Runs a mixed sequence through the experts by token type.

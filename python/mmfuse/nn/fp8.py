@@ -146,6 +146,12 @@ def reduce_amax_histories(model: torch.nn.Module, group=None) -> int:
     return len(states)
 
 
+# convert_to_fp8's options the two-expert modules take, and Fp8Linear's others at the values that
+# are the experts' behaviour too (any other value is refused for the experts)
+_EXPERT_OPTIONS = ("scaling", "history", "grad_dtype")
+_LINEAR_ONLY_DEFAULTS = dict(recipe="tensor", bf16_wgrad=False, fallback=True, fuse_wgrad_accumulation=False)
+
+
 def convert_to_fp8(model: torch.nn.Module, filter_fn: Optional[Callable[[str, torch.nn.Module], bool]] = None,
                    **kwargs) -> torch.nn.Module:
     """Replaces, in place, every ``nn.Linear`` of ``model`` (its fully qualified name and the module
@@ -154,7 +160,7 @@ def convert_to_fp8(model: torch.nn.Module, filter_fn: Optional[Callable[[str, to
     :class:`mmfuse.nn.vla.MoTExperts`: each expert in fp8 where it pays) that ``filter_fn`` selects.
     ``kwargs`` go to Fp8Linear; the experts take ``scaling`` (``None``: delayed), ``history`` and
     ``grad_dtype``, and refuse the options they do not have (a ``recipe`` other than ``"tensor"``,
-    ``bf16_wgrad``, ``fallback=False``). Returns ``model``. A bare ``nn.Linear`` cannot be replaced in
+    ``bf16_wgrad``, ``fallback=False``, ``fuse_wgrad_accumulation``). Returns ``model``. A bare ``nn.Linear`` cannot be replaced in
     place: it is an error (use :meth:`Fp8Linear.from_linear`)."""
     from .fp8_experts import Fp8Experts
 
@@ -164,9 +170,8 @@ def convert_to_fp8(model: torch.nn.Module, filter_fn: Optional[Callable[[str, to
     experts = [(name, m) for name, m in model.named_modules()
                if isinstance(m, Fp8Experts) and (filter_fn is None or filter_fn(name, m))]
     if experts:
-        unsupported = {k: v for k, v in kwargs.items() if (k, v) not in (("recipe", "tensor"), ("bf16_wgrad", False),
-                                                                         ("fallback", True))
-                       and k not in ("scaling", "history", "grad_dtype")}
+        unsupported = {k: v for k, v in kwargs.items()
+                       if k not in _EXPERT_OPTIONS and (k not in _LINEAR_ONLY_DEFAULTS or v != _LINEAR_ONLY_DEFAULTS[k])}
         if unsupported:
             raise ValueError(f"convert_to_fp8: {', '.join(f'{k}={v!r}' for k, v in unsupported.items())}: not an "
                              f"option of the fp8 experts ({experts[0][0] or 'model'}: per-tensor scaling, fp8 where "
@@ -176,7 +181,7 @@ def convert_to_fp8(model: torch.nn.Module, filter_fn: Optional[Callable[[str, to
             full = f"{name}.{child_name}" if name else child_name
             if type(child) is torch.nn.Linear and (filter_fn is None or filter_fn(full, child)):
                 setattr(mod, child_name, Fp8Linear.from_linear(child, **kwargs))
-    opts = {k: v for k, v in kwargs.items() if k in ("history", "grad_dtype", "scaling") and v is not None}
+    opts = {k: v for k, v in kwargs.items() if k in _EXPERT_OPTIONS and v is not None}
     for _, m in experts:
         m.enable_fp8(**opts)
     return model

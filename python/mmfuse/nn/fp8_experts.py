@@ -6,9 +6,11 @@ fp8 linear ops (``_Fp8ExpertFn``)."""
 from typing import List
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import fp8 as _fp8
+from ..swiglu import swiglu
 from .fp32_buffers import Fp32Buffers
 
 _PROJECTIONS = ("gate_up0", "down0", "gate_up1", "down1")
@@ -20,15 +22,14 @@ class Fp8Experts(Fp32Buffers):
 
     _fp32_suffixes = ("_state",)  # the fp8 scaling states stay float32 when the module is cast
 
-    def _init_fp8(self, owner: str, fp8: bool, history: int, grad_dtype: torch.dtype, scaling: str) -> None:
-        self.fp8 = False
-        self.grad_dtype, self.scaling = grad_dtype, scaling
-        self._check_fp8_options(owner, grad_dtype, scaling)
+    def _init_fp8(self, fp8: bool, history: int, grad_dtype: torch.dtype, scaling: str) -> None:
+        self._check_fp8_options(grad_dtype, scaling)
+        self.fp8, self.grad_dtype, self.scaling = False, grad_dtype, scaling
         if fp8:
             self.enable_fp8(history=history, grad_dtype=grad_dtype, scaling=scaling)
 
-    @staticmethod
-    def _check_fp8_options(owner: str, grad_dtype: torch.dtype, scaling: str) -> None:
+    def _check_fp8_options(self, grad_dtype: torch.dtype, scaling: str) -> None:
+        owner = type(self).__name__
         if scaling not in ("dynamic", "delayed"):
             raise ValueError(f"{owner}: scaling: expected 'dynamic' or 'delayed', got {scaling!r}")
         if grad_dtype not in (_fp8.E5M2, _fp8.E4M3):
@@ -39,7 +40,7 @@ class Fp8Experts(Fp32Buffers):
         """Runs each expert in fp8 where it pays from now on: new scaling states (``history`` amaxes of
         x and of the output gradient, delayed scaling; one for the weight), ``grad_dtype`` for the
         gradients. Returns the module."""
-        self._check_fp8_options(type(self).__name__, grad_dtype, scaling)
+        self._check_fp8_options(grad_dtype, scaling)
         device = self.gate_up0.device
         for proj in _PROJECTIONS:
             for t, hist in (("x", history), ("w", 1), ("g", history)):
@@ -57,6 +58,10 @@ class Fp8Experts(Fp32Buffers):
             return False
         w = getattr(self, f"gate_up{e}")
         return not x.is_cuda or _fp8.fp8_pays(rows, w.shape[0], w.shape[1])
+
+    def _plain_expert(self, x: Tensor, e: int) -> Tensor:
+        """Expert ``e`` of ``x [M, hidden_e]`` in the parameters' dtype, on its own."""
+        return F.linear(swiglu(F.linear(x, getattr(self, f"gate_up{e}"))), getattr(self, f"down{e}"))
 
     def _fp8_expert(self, x: Tensor, e: int) -> Tensor:
         """Expert ``e`` of ``x [M, hidden_e]`` in fp8."""

@@ -123,7 +123,7 @@ class MoTExperts(Fp8Experts, nn.Module):
         self.down0 = nn.Parameter(torch.empty(hidden, i0, **kw))
         self.gate_up1 = nn.Parameter(torch.empty(2 * i1, hidden, **kw))
         self.down1 = nn.Parameter(torch.empty(hidden, i1, **kw))
-        self._init_fp8("MoTExperts", fp8, history, grad_dtype, scaling)
+        self._init_fp8(fp8, history, grad_dtype, scaling)
 
     def forward(self, x: Tensor, m0: int) -> Tensor:
         if x.dim() != 2 or not 0 <= m0 <= x.shape[0]:
@@ -137,11 +137,8 @@ class MoTExperts(Fp8Experts, nn.Module):
         for e, part in enumerate(x.split([m0, x.shape[0] - m0])):
             if fp8[e]:
                 outs.append(self._fp8_expert(part, e))
-            else:
-                gu, dn = getattr(self, f"gate_up{e}"), getattr(self, f"down{e}")
-                if fp8[1 - e]:  # saved for backward as a copy: a view would keep the whole of x alive
-                    part = part.clone()
-                outs.append(F.linear(swiglu(F.linear(part, gu)), dn))
+            else:  # saved for backward as a copy beside an fp8 expert: a view would keep the whole of x alive
+                outs.append(self._plain_expert(part.clone() if fp8[1 - e] else part, e))
         return torch.cat(outs)
 
 
